@@ -1,0 +1,11 @@
+"""fairseq_pardec: parallel decoding methods for fairseq seq2seq Transformers (--user-dir plugin)."""
+
+from . import compat  # noqa: F401  (first: safe checkpoint loading on torch >= 2.6)
+from . import cli_checks
+
+cli_checks.check_argv()
+
+from . import generators  # noqa: F401,E402
+from . import tasks  # noqa: F401,E402
+
+__version__ = "0.1.0"

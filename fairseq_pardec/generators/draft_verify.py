@@ -1,0 +1,282 @@
+"""The draft -> verify -> accept -> roll back engine shared by IAD, GAD and blockwise decoding.
+
+Per active row the engine keeps the accepted tokens (after BOS), their cumulative scores and the
+verifier's KV cache, which holds the keys/values of BOS and every accepted token but the last.
+One iteration:
+
+1. *draft*: the drafter proposes up to ``max_len - n_out`` tokens per row (ragged);
+2. *verify*: one decoder call over [last accepted token, draft] on top of the cache gives the
+   next-token distribution after every block position;
+3. *accept*: the acceptance rule keeps the longest acceptable draft prefix, then the verifier's
+   own token at the first rejected position is appended (so each iteration gains >= 1 token);
+4. *roll back*: the cache keeps the entries of the kept block positions only; rows that emitted
+   EOS leave the batch.
+
+The per-step adjustments are fairseq ``SequenceGenerator``'s (pad never chosen, ``--unkpen``,
+EOS forced at ``max_len``, EOS barred before ``--min-len``, ``--prefix-size`` forcing, max length
+from ``--max-len-a/b`` and the padded source length of the batch), so with
+:class:`ExactAcceptance` the output equals fairseq's beam-1 search token for token.
+"""
+
+import logging
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .incremental import BlockDecoder
+from .stats import DecodeStats, count_hypotheses, timed
+
+logger = logging.getLogger(__name__)
+
+
+class DraftVerifyGenerator:
+    """Batched, KV-cached draft-and-verify decoding with one verifier model."""
+
+    def __init__(
+        self,
+        models,
+        tgt_dict,
+        drafter,
+        acceptance,
+        max_len_a: float = 0,
+        max_len_b: int = 200,
+        max_len: int = 0,
+        min_len: int = 1,
+        normalize_scores: bool = True,
+        len_penalty: float = 1.0,
+        unk_penalty: float = 0.0,
+        temperature: float = 1.0,
+        compact_holes: float = 0.5,
+    ):
+        if len(models) != 1:
+            raise ValueError(
+                "draft-and-verify generators verify with one model; got an ensemble of %d "
+                "(give one checkpoint to --path)" % len(models)
+            )
+        if temperature <= 0:
+            raise ValueError("--temperature must be greater than 0")
+        self.model = models[0]
+        self.block_decoder = BlockDecoder(self.model.decoder)
+        self.tgt_dict = tgt_dict
+        self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
+        self.vocab_size = len(tgt_dict)
+        self.drafter = drafter
+        self.acceptance = acceptance
+        self.max_len_a, self.max_len_b = max_len_a, max_len_b
+        self.max_len = max_len or self.model.max_decoder_positions()
+        self.min_len = min_len
+        self.normalize_scores = normalize_scores
+        self.len_penalty = len_penalty
+        self.unk_penalty = unk_penalty
+        self.temperature = temperature
+        self.compact_holes = compact_holes
+        self.stats = DecodeStats()
+        self.symbols_to_strip_from_output = {self.eos}
+
+    def cuda(self):
+        self.model.cuda()
+        return self
+
+    @torch.no_grad()
+    def generate(self, models, sample, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
+        if constraints is not None:
+            raise ValueError("draft-and-verify generators do not support --constraints")
+        device = sample["net_input"]["src_tokens"].device
+        with timed(self.stats, device):
+            hypos = self._generate(sample, prefix_tokens, bos_token)
+        count_hypotheses(self.stats, hypos)
+        return hypos
+
+    # ------------------------------------------------------------------ per-step adjustments
+    def _adjust(self, lprobs: Tensor, steps: Tensor, max_len: int, prefix: Optional[Tensor]):
+        """fairseq SequenceGenerator's per-step edits of log-probabilities, for a block.
+
+        Args:
+            lprobs: (B, L, V), modified in place; steps: (B, L) decoder step of each position.
+            prefix: (B, P) forced prefix tokens (pad = not forced) or None.
+        Returns the (B, L) forced tokens (-1 where nothing is forced).
+        """
+        lprobs[lprobs != lprobs] = -math.inf
+        lprobs[:, :, self.pad] = -math.inf
+        lprobs[:, :, self.unk] -= self.unk_penalty
+        at_max = steps >= max_len
+        if at_max.any():
+            eos_lp = lprobs[:, :, self.eos].clone()
+            lprobs.masked_fill_(at_max.unsqueeze(-1), -math.inf)
+            lprobs[:, :, self.eos] = torch.where(at_max, eos_lp, lprobs[:, :, self.eos])
+        forced = torch.full_like(steps, -1)
+        if prefix is not None and prefix.size(1) > 0:
+            in_prefix = (steps < prefix.size(1)) & ~at_max
+            idx = steps.clamp(max=prefix.size(1) - 1)
+            prefix_tok = prefix.gather(1, idx)
+            in_prefix &= prefix_tok.ne(self.pad)
+            forced = torch.where(in_prefix, prefix_tok, forced)
+        else:
+            in_prefix = torch.zeros_like(at_max)
+        bar_eos = (steps < self.min_len) & ~in_prefix
+        if bar_eos.any():
+            lprobs[:, :, self.eos] = lprobs[:, :, self.eos].masked_fill(bar_eos, -math.inf)
+        return forced
+
+    # ------------------------------------------------------------------ main loop
+    def _generate(self, sample, prefix_tokens, bos_token):
+        model, blocks = self.model, self.block_decoder
+        model.decoder.set_beam_size(1)  # undo a beam generator built earlier on this model
+        net_input = sample["net_input"]
+        src_tokens = net_input["src_tokens"]
+        bsz, src_len = src_tokens.size()[:2]
+        device = src_tokens.device
+        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        if self.min_len > max_len:
+            raise ValueError("min_len cannot be larger than max_len, please adjust these!")
+
+        encoder_out = model.encoder.forward_torchscript(net_input)
+        bos = self.eos if bos_token is None else bos_token
+        self.drafter.start(sample, encoder_out, bos)
+
+        tokens = torch.full((bsz, max_len + 2), self.pad, dtype=torch.long, device=device)
+        tokens[:, 0] = bos
+        cum_scores = torch.zeros(bsz, max_len + 1, device=device)
+        n_out = torch.zeros(bsz, dtype=torch.long, device=device)
+        rows = torch.arange(bsz, device=device)  # active row -> row of the batch
+        prefix = prefix_tokens
+        finalized = [[] for _ in range(bsz)]
+        state = {}
+
+        while rows.numel() > 0:
+            b = rows.numel()
+            ar = torch.arange(b, device=device)
+            # 1. draft (never past the step where EOS is forced)
+            room = max_len - n_out
+            draft, draft_len = self.drafter.propose(rows, tokens, n_out, room)
+            draft, draft_len = self._force_prefix_draft(draft, draft_len, n_out, prefix, room)
+            k = draft.size(1)
+            block = torch.cat([tokens[ar, n_out].unsqueeze(1), draft], dim=1)
+            cols = torch.arange(k + 1, device=device)
+            block_pad = cols.unsqueeze(0) > draft_len.unsqueeze(1)
+
+            # 2. verify
+            lprobs = blocks.forward_block(
+                block, n_out, block_pad, encoder_out, state, self.temperature
+            )
+            self.stats.decoder_calls += 1
+            self.stats.row_iterations += b
+            steps = n_out.unsqueeze(1) + cols
+            forced = self._adjust(lprobs, steps, max_len, prefix)
+            verifier = lprobs.argmax(dim=-1)
+            verifier = torch.where(forced >= 0, forced, verifier)
+
+            # 3. accept
+            draft_valid = ~block_pad[:, 1:]
+            n_acc = self.acceptance.accept(draft, draft_valid, lprobs[:, :k], verifier[:, :k])
+            take_draft = cols.unsqueeze(0) < n_acc.unsqueeze(1)
+            padded_draft = torch.cat([draft, draft.new_full((b, 1), self.pad)], dim=1)
+            new_tokens = torch.where(take_draft, padded_draft, verifier)
+            gained = n_acc + 1
+            is_eos = new_tokens.eq(self.eos) & (cols.unsqueeze(0) < gained.unsqueeze(1))
+            first_eos = torch.where(is_eos, cols.unsqueeze(0), k + 1).min(dim=1).values
+            gained = torch.minimum(gained, first_eos + 1)
+            keep = cols.unsqueeze(0) < gained.unsqueeze(1)
+
+            step_lp = lprobs.gather(2, new_tokens.unsqueeze(2)).squeeze(2)
+            prev = torch.where(
+                n_out > 0, cum_scores[ar, (n_out - 1).clamp(min=0)], cum_scores.new_zeros(b)
+            )
+            cum = prev.unsqueeze(1) + step_lp.masked_fill(~keep, 0).cumsum(dim=1)
+            r_idx = ar.unsqueeze(1).expand(b, k + 1)[keep]
+            c_idx = (n_out.unsqueeze(1) + cols)[keep]
+            tokens[r_idx, c_idx + 1] = new_tokens[keep]
+            cum_scores[r_idx, c_idx] = cum[keep]
+            n_out = n_out + gained
+
+            # 4. roll back the cache to the kept block positions, retire finished rows
+            blocks.rollback(state, k + 1, gained)
+            done = first_eos < k + 1
+            if done.any():
+                for r in done.nonzero().view(-1).tolist():
+                    finalized[rows[r]] = [self._hypothesis(tokens[r], cum_scores[r], int(n_out[r]))]
+                alive = (~done).nonzero().view(-1)
+                rows, tokens, cum_scores, n_out = rows[alive], tokens[alive], cum_scores[alive], n_out[alive]
+                if prefix is not None:
+                    prefix = prefix[alive]
+                if alive.numel() > 0:
+                    blocks.reorder(state, alive)
+                    encoder_out = model.encoder.reorder_encoder_out(encoder_out, alive)
+            blocks.compact(state, self.compact_holes)
+        return finalized
+
+    def _force_prefix_draft(self, draft, draft_len, n_out, prefix, room):
+        """Rows still inside their --prefix-size prefix draft the prefix itself."""
+        if prefix is None or prefix.size(1) == 0:
+            return draft, draft_len
+        remaining = (prefix.size(1) - n_out).clamp(min=0)
+        if not bool((remaining > 0).any()):
+            return draft, draft_len
+        rows_in = (remaining > 0).nonzero().view(-1).tolist()
+        drafts = []
+        for r in range(draft.size(0)):
+            if r in rows_in:
+                start = int(n_out[r])
+                forced = [t for t in prefix[r, start:].tolist() if t != self.pad]
+                drafts.append(forced[: int(room[r])])
+            else:
+                drafts.append(draft[r, : int(draft_len[r])].tolist())
+        from .drafters import pad_drafts
+
+        return pad_drafts(drafts, self.pad, draft.device)
+
+    def _hypothesis(self, tokens: Tensor, cum_scores: Tensor, length: int):
+        """fairseq's finalized hypothesis dict (scores as SequenceGenerator computes them)."""
+        cum = cum_scores[:length].clone()
+        positional = cum.clone()
+        positional[1:] = cum[1:] - cum[:-1]
+        score = cum[-1].clone()
+        if self.normalize_scores:
+            score /= length ** self.len_penalty
+        return {
+            "tokens": tokens[1 : length + 1].clone(),
+            "score": score,
+            "attention": torch.empty(0),
+            "alignment": torch.empty(0),
+            "positional_scores": positional,
+        }
+
+
+def build_draft_verify(task, models, args, drafter, acceptance, name):
+    """Common construction from fairseq's generation config; refuses what it cannot honour."""
+    unsupported = {
+        "sampling": "--sampling",
+        "diverse_beam_groups": "--diverse-beam-groups",
+        "match_source_len": "--match-source-len",
+        "constraints": "--constraints",
+        "print_alignment": "--print-alignment",
+        "lm_path": "--lm-path",
+    }
+    for attr, flag in unsupported.items():
+        value = getattr(args, attr, None)
+        if value not in (None, False, -1, 0, "", "none"):
+            raise ValueError("--generator %s does not support %s; use --generator beam" % (name, flag))
+    if getattr(args, "no_repeat_ngram_size", 0):
+        raise ValueError(
+            "--generator %s does not support --no-repeat-ngram-size; use --generator beam" % name
+        )
+    if getattr(args, "nbest", 1) != 1:
+        raise ValueError("--generator %s returns one hypothesis; drop --nbest" % name)
+    beam = getattr(args, "beam", 5)
+    if beam not in (1, 5):
+        logger.warning("--generator %s decodes greedily; ignoring --beam %d", name, beam)
+    return DraftVerifyGenerator(
+        models,
+        task.target_dictionary,
+        drafter,
+        acceptance,
+        max_len_a=getattr(args, "max_len_a", 0),
+        max_len_b=getattr(args, "max_len_b", 200),
+        min_len=getattr(args, "min_len", 1),
+        normalize_scores=not getattr(args, "unnormalized", False),
+        len_penalty=getattr(args, "lenpen", 1),
+        unk_penalty=getattr(args, "unkpen", 0),
+        temperature=getattr(args, "temperature", 1.0),
+    )

@@ -1,0 +1,143 @@
+"""Drafters propose the next tokens of each row for the verifier to check.
+
+A drafter gets the batch once (``start``) and is then asked, every iteration, for up to
+``max_len[b]`` draft tokens per active row given the tokens accepted so far.
+"""
+
+import logging
+from typing import List
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
+    """Ragged python drafts -> (B, K) padded tensor and (B,) lengths."""
+    lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+    width = int(lengths.max()) if len(drafts) else 0
+    out = torch.full((len(drafts), width), pad, dtype=torch.long)
+    for row, draft in enumerate(drafts):
+        if draft:
+            out[row, : len(draft)] = torch.tensor(draft, dtype=torch.long)
+    return out.to(device), lengths.to(device)
+
+
+class Drafter:
+    """Interface of the draft step of the draft-and-verify engine."""
+
+    def start(self, sample, encoder_out, bos: int):
+        """Called once per batch, before the first iteration."""
+
+    def propose(self, rows: Tensor, tokens: Tensor, n_out: Tensor, max_len: Tensor):
+        """Draft tokens for the active rows.
+
+        Args:
+            rows: (B,) indices of the active rows in the batch given to ``start``.
+            tokens: (B, T) decoder inputs so far: BOS then the accepted tokens.
+            n_out: (B,) number of accepted tokens per row.
+            max_len: (B,) the most draft tokens each row may use.
+        Returns:
+            (B, K) drafts padded with ``pad`` and (B,) their lengths.
+        """
+        raise NotImplementedError
+
+
+class SourceVocabularyMap:
+    """Maps source token ids to target ids by their string (for separate dictionaries).
+
+    Tokens with no target counterpart map to -1: a copy draft stops before them.
+    """
+
+    def __init__(self, src_dict, tgt_dict):
+        self.identity = src_dict is tgt_dict or src_dict.symbols == tgt_dict.symbols
+        if self.identity:
+            self.table = None
+            return
+        table = torch.full((len(src_dict),), -1, dtype=torch.long)
+        for idx, symbol in enumerate(src_dict.symbols):
+            tgt = tgt_dict.index(symbol)
+            if tgt != tgt_dict.unk() or symbol == tgt_dict.unk_word:
+                table[idx] = tgt
+        for special in ("bos", "pad", "eos", "unk"):
+            table[getattr(src_dict, special)()] = getattr(tgt_dict, special)()
+        self.table = table
+        mapped = int((table >= 0).sum())
+        logger.info(
+            "copy drafter: source and target dictionaries differ; %d of %d source types map to "
+            "target types by string", mapped, len(src_dict)
+        )
+
+    def __call__(self, src_ids: Tensor) -> Tensor:
+        if self.identity:
+            return src_ids
+        return self.table.to(src_ids.device)[src_ids]
+
+
+class CopyDrafter(Drafter):
+    """Input-guided aggressive decoding (IAD): draft by copying the source.
+
+    Matching rule (Algorithm 1 of Sun et al. 2021, made a little more aggressive): take the
+    shortest suffix of the output (BOS included) that occurs exactly once in [BOS] + source, and
+    draft the source tokens that follow that occurrence. When every suffix is ambiguous (a
+    repeated token such as a comma), the paper falls back to one greedy step; we instead pick the
+    occurrence at or after the previous match (outputs of GEC follow the source left to right),
+    else the first one. A suffix whose last token does not occur in the source gives no draft
+    (one plain greedy step). Any draft is safe: exact verification keeps the output identical to
+    greedy decoding; the rule only changes how many tokens are accepted.
+    """
+
+    def __init__(self, src_dict, tgt_dict, block_size=None):
+        self.vocab_map = SourceVocabularyMap(src_dict, tgt_dict)
+        self.src_pad = src_dict.pad()
+        self.pad = tgt_dict.pad()
+        self.block_size = block_size
+
+    def start(self, sample, encoder_out, bos: int):
+        src = sample["net_input"]["src_tokens"]
+        mapped = self.vocab_map(src).tolist()
+        self.sources, self.positions, self.last_match = [], [], []
+        for row, ids in zip(src.tolist(), mapped):
+            source = [bos] + [t for s, t in zip(row, ids) if s != self.src_pad]
+            if -1 in source:  # an unmappable token ends what can be copied
+                source = source[: source.index(-1)]
+            where = {}
+            for i, token in enumerate(source):
+                where.setdefault(token, []).append(i)
+            self.sources.append(source)
+            self.positions.append(where)
+            self.last_match.append(0)
+
+    def _match(self, row: int, output: List[int]):
+        """Index in the source of the match of the output's last token, or None."""
+        source = self.sources[row]
+        candidates = self.positions[row].get(output[-1])
+        if not candidates:
+            return None
+        q = 0
+        while len(candidates) > 1 and q + 1 < len(output):
+            q += 1
+            longer = [i for i in candidates if i >= q and source[i - q] == output[-1 - q]]
+            if not longer:
+                break
+            candidates = longer
+        if len(candidates) > 1:
+            after = [i for i in candidates if i >= self.last_match[row]]
+            return after[0] if after else candidates[0]
+        return candidates[0]
+
+    def propose(self, rows, tokens, n_out, max_len):
+        limits = max_len.tolist()
+        if self.block_size is not None:
+            limits = [min(limit, self.block_size) for limit in limits]
+        drafts = []
+        for row, toks, n, limit in zip(rows.tolist(), tokens.tolist(), n_out.tolist(), limits):
+            output = toks[: n + 1]
+            at = self._match(row, output) if limit > 0 else None
+            if at is None:
+                drafts.append([])
+                continue
+            self.last_match[row] = at
+            drafts.append(self.sources[row][at + 1 : at + 1 + limit])
+        return pad_drafts(drafts, self.pad, tokens.device)

@@ -1,0 +1,224 @@
+"""Multi-token incremental decoding over a fairseq TransformerDecoder's KV cache.
+
+fairseq's incremental decoding feeds one token per call. Draft-and-verify needs a *block* of tokens
+per row on top of the cache, causal inside the block, and afterwards each row keeps only the cache
+entries of the tokens it accepted. We get there without touching fairseq's layers:
+
+* the block goes through the decoder's own modules (embeddings, ``TransformerDecoderLayer``s and
+  their ``MultiheadAttention`` incremental state), with an explicit causal ``attn_mask`` and a key
+  padding mask for ragged blocks (see :meth:`BlockDecoder.forward_block`);
+* rollback marks rejected entries in the cache's saved ``prev_key_padding_mask``. Keys carry their
+  position in their values (absolute positions are added to the embeddings), not in their index in
+  the cache, so masked holes change nothing in the attention; :meth:`BlockDecoder.compact` drops
+  them when they pile up.
+
+Batch shrinking (finished rows leave) reuses fairseq's ``reorder_incremental_state``.
+"""
+
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq.models.transformer import TransformerDecoderBase
+from fairseq.modules import (
+    LearnedPositionalEmbedding,
+    MultiheadAttention,
+    SinusoidalPositionalEmbedding,
+)
+
+IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
+
+
+class UnsupportedDecoder(ValueError):
+    pass
+
+
+def check_supported_decoder(decoder):
+    """Refuse, with the reason, decoders whose forward we would not reproduce exactly."""
+    if not isinstance(decoder, TransformerDecoderBase):
+        raise UnsupportedDecoder(
+            "draft-and-verify generators need a fairseq TransformerDecoder (got %s); "
+            "use --generator greedy or beam" % type(decoder).__name__
+        )
+    if decoder.cross_self_attention:
+        raise UnsupportedDecoder(
+            "models trained with --cross-self-attention are not supported by draft-and-verify "
+            "generators; use --generator greedy"
+        )
+    if decoder.adaptive_softmax is not None:
+        raise UnsupportedDecoder(
+            "models with --adaptive-softmax-cutoff are not supported by draft-and-verify "
+            "generators; use --generator greedy"
+        )
+    positions = decoder.embed_positions
+    if positions is not None and not isinstance(
+        positions, (LearnedPositionalEmbedding, SinusoidalPositionalEmbedding)
+    ):
+        raise UnsupportedDecoder(
+            "unsupported decoder positional embedding %s" % type(positions).__name__
+        )
+
+
+class BlockDecoder:
+    """Wraps one fairseq TransformerDecoder for block-wise incremental decoding."""
+
+    def __init__(self, decoder):
+        check_supported_decoder(decoder)
+        self.decoder = decoder
+        self.padding_idx = decoder.padding_idx
+        self.self_attns = [layer.self_attn for layer in decoder.layers]
+
+    # ------------------------------------------------------------------ embeddings
+    def _position_embeddings(self, positions: Tensor) -> Optional[Tensor]:
+        """Rows of fairseq's own position table for explicit (already offset) positions."""
+        module = self.decoder.embed_positions
+        if module is None:
+            return None
+        if isinstance(module, LearnedPositionalEmbedding):
+            return F.embedding(positions, module.weight, module.padding_idx)
+        needed = int(positions.max()) + 1
+        if needed > module.weights.size(0):
+            # Let fairseq grow its sinusoid table exactly as it would itself.
+            module(positions.new_zeros(1, needed - module.padding_idx - 1))
+        return module.weights.index_select(0, positions.reshape(-1)).view(
+            positions.size() + (-1,)
+        ).detach()
+
+    def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Same operations, in the same order, as ``extract_features_scriptable``."""
+        dec = self.decoder
+        x = dec.embed_scale * dec.embed_tokens(tokens.contiguous())
+        if dec.quant_noise is not None:
+            x = dec.quant_noise(x)
+        if dec.project_in_dim is not None:
+            x = dec.project_in_dim(x)
+        pos = self._position_embeddings(positions)
+        if pos is not None:
+            x += pos
+        if dec.layernorm_embedding is not None:
+            x = dec.layernorm_embedding(x)
+        return dec.dropout_module(x)
+
+    # ------------------------------------------------------------------ forward
+    def forward_block(
+        self,
+        tokens: Tensor,
+        start: Tensor,
+        block_pad: Tensor,
+        encoder_out,
+        incremental_state: IncrementalState,
+        temperature: float = 1.0,
+    ) -> Tensor:
+        """Decode a block of ``L`` tokens per row on top of the cache.
+
+        Args:
+            tokens: (B, L) block tokens; row b's token i sits at decoder step ``start[b] + i``.
+            start: (B,) number of tokens of each row already in the cache.
+            block_pad: (B, L) True where a row's block is padding (ragged drafts).
+        Returns:
+            (B, L, V) float32 log-probabilities of the next token after each block position.
+        The block's keys/values are appended to the cache, padded positions masked out.
+        """
+        dec = self.decoder
+        bsz, length = tokens.size()
+        steps = start.unsqueeze(1) + torch.arange(length, device=tokens.device)
+        # fairseq numbers positions from padding_idx + 1 (make_positions); padded block slots
+        # borrow a valid position, their outputs are never used and their keys are masked.
+        positions = (steps + self.padding_idx + 1).masked_fill(block_pad, self.padding_idx + 1)
+        x = self.embed(tokens.masked_fill(block_pad, self.padding_idx), positions)
+        x = x.transpose(0, 1)
+
+        cached = self.cache_length(incremental_state)
+        # The cache is visible to every block position; inside the block, causal.
+        attn_mask = x.new_zeros(length, cached + length)
+        attn_mask[:, cached:] = torch.triu(
+            x.new_full((length, length), float("-inf")), diagonal=1
+        )
+
+        enc, enc_pad = None, None
+        if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
+            enc = encoder_out["encoder_out"][0]
+        if encoder_out is not None and len(encoder_out["encoder_padding_mask"]) > 0:
+            enc_pad = encoder_out["encoder_padding_mask"][0]
+
+        for layer in dec.layers:
+            x, _, _ = layer(
+                x,
+                enc,
+                enc_pad,
+                incremental_state,
+                self_attn_mask=attn_mask,
+                self_attn_padding_mask=block_pad,
+            )
+        if dec.layer_norm is not None:
+            x = dec.layer_norm(x)
+        x = x.transpose(0, 1)
+        if dec.project_out_dim is not None:
+            x = dec.project_out_dim(x)
+        logits = dec.output_layer(x)
+        if temperature != 1.0:
+            logits = logits.div_(temperature)
+        return F.log_softmax(logits.float(), dim=-1)
+
+    # ------------------------------------------------------------------ cache surgery
+    def _buffers(self, incremental_state):
+        for attn in self.self_attns:
+            yield attn, attn._get_input_buffer(incremental_state)
+
+    def cache_length(self, incremental_state: IncrementalState) -> int:
+        buf = self.self_attns[0]._get_input_buffer(incremental_state)
+        key = buf.get("prev_key")
+        return 0 if key is None else key.size(2)
+
+    def valid_mask(self, incremental_state: IncrementalState) -> Optional[Tensor]:
+        """(B, T) True for cache entries a row attends to."""
+        buf = self.self_attns[0]._get_input_buffer(incremental_state)
+        mask = buf.get("prev_key_padding_mask")
+        return None if mask is None else ~mask.bool()
+
+    def rollback(self, incremental_state: IncrementalState, block_len: int, keep: Tensor):
+        """Roll back: of the last ``block_len`` cache entries keep the first ``keep[b]`` per row."""
+        total = self.cache_length(incremental_state)
+        first = total - block_len
+        cols = torch.arange(block_len, device=keep.device)
+        drop = cols.unsqueeze(0) >= keep.unsqueeze(1)  # (B, block_len)
+        # Columns no row keeps can go at once (always true for batch 1: no holes at all).
+        kept_cols = int(keep.max()) if keep.numel() else 0
+        new_total = first + kept_cols
+        for attn, buf in self._buffers(incremental_state):
+            mask = buf["prev_key_padding_mask"]
+            mask = mask.clone()
+            mask[:, first:] = torch.maximum(mask[:, first:], drop.to(mask.dtype))
+            buf["prev_key_padding_mask"] = mask[:, :new_total]
+            buf["prev_key"] = buf["prev_key"][:, :, :new_total]
+            buf["prev_value"] = buf["prev_value"][:, :, :new_total]
+            attn._set_input_buffer(incremental_state, buf)
+
+    def compact(self, incremental_state: IncrementalState, min_holes: float = 0.5):
+        """Squeeze masked holes out of the cache when they are at least ``min_holes`` of it.
+
+        Valid entries move to the front of each row (stable order); the cache is cut to the
+        longest row. Attention over a set of keys does not depend on their order.
+        """
+        valid = self.valid_mask(incremental_state)
+        if valid is None or valid.numel() == 0:
+            return
+        total = valid.size(1)
+        longest = int(valid.sum(1).max())
+        if total - longest < max(1, min_holes * total):
+            return
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :longest]
+        for attn, buf in self._buffers(incremental_state):
+            index = order.unsqueeze(1).unsqueeze(-1)
+            key, value = buf["prev_key"], buf["prev_value"]
+            index = index.expand(key.size(0), key.size(1), longest, key.size(3))
+            buf["prev_key"] = key.gather(2, index)
+            buf["prev_value"] = value.gather(2, index)
+            buf["prev_key_padding_mask"] = buf["prev_key_padding_mask"].gather(1, order)
+            attn._set_input_buffer(incremental_state, buf)
+
+    def reorder(self, incremental_state: IncrementalState, new_order: Tensor):
+        """Keep (and reorder) batch rows; used when finished rows leave the batch."""
+        self.decoder.reorder_incremental_state_scripting(incremental_state, new_order)

@@ -1,0 +1,76 @@
+"""Decoding statistics every fairseq_pardec generator reports."""
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class DecodeStats:
+    """Counters accumulated over ``generate`` calls.
+
+    ``decoder_calls`` counts batched decoder invocations (what costs time on a GPU);
+    ``row_iterations`` counts, per sentence, the iterations it took part in, so that
+    ``tokens_per_iteration`` is the mean number of tokens a sentence gains per decoder call
+    (1.0 for left-to-right search, more for draft-and-verify and multi-word methods).
+    ``wall_time`` covers ``generate`` only: model loading and data loading are excluded.
+    """
+
+    sentences: int = 0
+    target_tokens: int = 0
+    decoder_calls: int = 0
+    row_iterations: int = 0
+    wall_time: float = 0.0
+
+    @property
+    def tokens_per_iteration(self) -> float:
+        return self.target_tokens / self.row_iterations if self.row_iterations else 0.0
+
+    @property
+    def sentences_per_second(self) -> float:
+        return self.sentences / self.wall_time if self.wall_time > 0 else 0.0
+
+    def reset(self):
+        for name in ("sentences", "target_tokens", "decoder_calls", "row_iterations"):
+            setattr(self, name, 0)
+        self.wall_time = 0.0
+
+    def as_dict(self):
+        out = asdict(self)
+        out["tokens_per_iteration"] = self.tokens_per_iteration
+        out["sentences_per_second"] = self.sentences_per_second
+        return out
+
+    def summary_line(self, name: str) -> str:
+        return (
+            f"pardec generator={name} | sentences {self.sentences} | target tokens "
+            f"{self.target_tokens} | decoder calls {self.decoder_calls} | iterations per sentence "
+            f"{self.row_iterations / max(self.sentences, 1):.2f} | mean accepted tokens per "
+            f"iteration {self.tokens_per_iteration:.2f} | decode wall time {self.wall_time:.2f}s "
+            f"({self.sentences_per_second:.1f} sentences/s)"
+        )
+
+
+def _synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def timed(stats: DecodeStats, device: torch.device):
+    """Adds the wall time of the block to ``stats``; waits for queued GPU work on both ends."""
+    _synchronize(device)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _synchronize(device)
+        stats.wall_time += time.perf_counter() - start
+
+
+def count_hypotheses(stats: DecodeStats, hypos):
+    """Sentences and target tokens (EOS included, as fairseq counts them) of a batch's output."""
+    stats.sentences += len(hypos)
+    stats.target_tokens += sum(len(h[0]["tokens"]) for h in hypos if h)

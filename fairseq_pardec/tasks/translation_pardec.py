@@ -1,0 +1,176 @@
+"""``--task translation_pardec``: fairseq's translation task plus our decoding options.
+
+A plugin cannot add a global ``--generator`` flag (hydra rejects new config groups), so the
+decoding options live on the task. Checkpoints of the stock ``translation`` task decode through
+this task and vice versa: the task adds no state to the model.
+"""
+
+import argparse
+import atexit
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fairseq import utils
+from fairseq.dataclass import ChoiceEnum
+from fairseq.tasks import register_task
+from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+from ..errors import UsageError
+from ..generators import GENERATORS
+from ..generators.incremental import UnsupportedDecoder
+
+logger = logging.getLogger(__name__)
+
+GENERATOR_CHOICES = ChoiceEnum(list(GENERATORS))
+
+
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a positive integer, got %r" % value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be >= 1, got %d" % number)
+    return number
+
+
+@dataclass
+class TranslationPardecConfig(TranslationConfig):
+    generator: GENERATOR_CHOICES = field(
+        default="beam",
+        metadata={
+            "help": "decoding method: beam (fairseq beam search), greedy (beam 1), iad "
+            "(input-guided aggressive decoding: copy the source as a draft, lossless)"
+        },
+    )
+    block_size: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "draft-and-verify generators: most draft tokens verified per iteration "
+            "(default: unbounded for iad)"
+        },
+    )
+
+
+# Flags whose values argparse must validate itself (the dataclass only knows their type).
+_ARG_VALIDATORS = {"--block-size": positive_int}
+
+
+class _SummaryReporter:
+    """Logs each CLI generator's statistics once, when the process ends.
+
+    fairseq-generate offers no hook after its loop, and its own summary is logged just before
+    the process exits, so ours follows it.
+    """
+
+    enabled = True
+
+    def __init__(self):
+        self.generators = []
+        atexit.register(self.report)
+
+    def add(self, name, generator):
+        self.generators.append((name, generator))
+
+    def report(self):
+        for name, generator in self.generators:
+            if generator.stats.sentences:
+                logger.info(generator.stats.summary_line(name))
+
+
+_reporter = None
+
+
+@register_task("translation_pardec", dataclass=TranslationPardecConfig)
+class TranslationPardecTask(TranslationTask):
+    """Translation with fairseq_pardec's generators (``--generator``)."""
+
+    cfg: TranslationPardecConfig
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        for action in parser._actions:
+            for flag, validator in _ARG_VALIDATORS.items():
+                if flag in action.option_strings:
+                    action.type = validator
+
+    @classmethod
+    def setup_task(cls, cfg, **kwargs):
+        for path in utils.split_paths(cfg.data or ""):
+            if not os.path.isdir(path):
+                raise UsageError(
+                    "data directory %r does not exist; give the fairseq-preprocess output "
+                    "directory as the first argument (see examples/data/)" % path
+                )
+        if cfg.block_size is not None and cfg.block_size < 1:
+            raise UsageError("--block-size must be >= 1 (got %d)" % cfg.block_size)
+        return super().setup_task(cfg, **kwargs)
+
+    # ------------------------------------------------------------------ batching
+    def get_batch_iterator(self, dataset, *args, **kwargs):
+        _keep_tail_batch(dataset)
+        return super().get_batch_iterator(dataset, *args, **kwargs)
+
+    # ------------------------------------------------------------------ generators
+    def build_generator(
+        self,
+        models,
+        args,
+        seq_gen_cls=None,
+        extra_gen_cls_kwargs=None,
+        prefix_allowed_tokens_fn=None,
+    ):
+        name = str(self.cfg.generator)
+        if getattr(args, "score_reference", False) or seq_gen_cls is not None:
+            # Scoring and callers that bring their own generator class get fairseq's path.
+            return super().build_generator(
+                models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
+            )
+        try:
+            generator = GENERATORS[name](
+                self,
+                models,
+                args,
+                extra_gen_cls_kwargs=extra_gen_cls_kwargs,
+                prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            )
+        except (ValueError, UnsupportedDecoder) as error:
+            if isinstance(error, UsageError):
+                raise
+            raise UsageError(str(error)) from None
+        if _SummaryReporter.enabled:
+            global _reporter
+            if _reporter is None:
+                _reporter = _SummaryReporter()
+            _reporter.add(name, generator)
+        return generator
+
+
+def _keep_tail_batch(dataset):
+    """Make ``dataset.batch_by_size`` keep the last, smaller batch.
+
+    fairseq main's ``data_utils.batch_by_size`` drops the final batch when its size is not a
+    multiple of ``--required-batch-size-multiple`` (upstream issues #5036, #5351), which silently
+    loses test sentences. We let fairseq batch as usual and append whatever it left out.
+    """
+    if getattr(dataset, "_pardec_keeps_tail", False):
+        return
+    original = dataset.batch_by_size
+
+    def batch_by_size(indices, max_tokens=None, max_sentences=None, required_batch_size_multiple=1):
+        batches = original(indices, max_tokens, max_sentences, required_batch_size_multiple)
+        covered = sum(len(b) for b in batches)
+        if covered < len(indices):
+            import numpy as np
+
+            seen = set(np.concatenate(batches).tolist()) if len(batches) else set()
+            missing = np.array([i for i in indices if i not in seen], dtype=np.int64)
+            if len(missing):
+                batches = list(batches) + [missing]
+        return batches
+
+    dataset.batch_by_size = batch_by_size
+    dataset._pardec_keeps_tail = True
