@@ -16,7 +16,8 @@
 # A shared dictionary is what the copy drafter (IAD, used for GEC) needs: source token ids must be
 # target token ids.
 #
-# Steps whose outputs exist are skipped (delete OUT_DIR/bpe or OUT_DIR/bin to redo them).
+# Steps whose outputs exist and are newer than their inputs are skipped (re-running is cheap;
+# changed raw files or BPE_MERGES redo what depends on them; delete OUT_DIR/bpe to force a redo).
 # Tools: subword-nmt and fairseq-preprocess from PATH (override with $SUBWORD_NMT and
 # $FAIRSEQ_PREPROCESS); $WORKERS (default 2) parallel workers.
 set -euo pipefail
@@ -46,21 +47,31 @@ BPE=$OUT/bpe
 BIN=$OUT/bin
 mkdir -p "$BPE"
 
+# up_to_date OUTPUT INPUT...: OUTPUT exists, is non-empty and newer than every INPUT
+up_to_date() {
+    local out=$1; shift
+    [ -s "$out" ] || return 1
+    local f
+    for f in "$@"; do [ "$out" -nt "$f" ] || return 1; done
+}
+
 # 1. learn joint BPE on the concatenated training data of both sides
-if [ -s "$BPE/codes" ]; then
-    log "exists, skipping: $BPE/codes"
+if up_to_date "$BPE/codes" "$RAW/train.$SRC" "$RAW/train.$TGT" \
+        && [ "$(cat "$BPE/codes.merges" 2>/dev/null)" = "$MERGES" ]; then
+    log "up to date, skipping: $BPE/codes"
 else
     log "learning $MERGES joint BPE merges on train.$SRC + train.$TGT"
     cat "$RAW/train.$SRC" "$RAW/train.$TGT" \
         | TQDM_DISABLE=1 "$SUBWORD_NMT" learn-bpe -s "$MERGES" > "$BPE/codes.tmp"
+    echo "$MERGES" > "$BPE/codes.merges"
     mv "$BPE/codes.tmp" "$BPE/codes"
 fi
 
 # 2. apply it to every split and side
 for split in train valid test; do
     for l in "$SRC" "$TGT"; do
-        if [ -s "$BPE/$split.$l" ] && [ "$BPE/$split.$l" -nt "$BPE/codes" ]; then
-            log "exists, skipping: $BPE/$split.$l"
+        if up_to_date "$BPE/$split.$l" "$BPE/codes" "$RAW/$split.$l"; then
+            log "up to date, skipping: $BPE/$split.$l"
             continue
         fi
         log "applying BPE: $split.$l"
@@ -71,11 +82,13 @@ for split in train valid test; do
 done
 
 # 3. binarise with one dictionary shared by source and target
-if [ -s "$BIN/dict.$SRC.txt" ] && [ -s "$BIN/test.$SRC-$TGT.$TGT.bin" ] && [ "$BIN/dict.$SRC.txt" -nt "$BPE/codes" ]; then
-    log "exists, skipping: $BIN (fairseq-preprocess output)"
+# (fairseq-preprocess writes test.SRC-TGT.TGT.bin last, so it marks a complete run)
+if up_to_date "$BIN/test.$SRC-$TGT.$TGT.bin" "$BPE"/{train,valid,test}."$SRC" "$BPE"/{train,valid,test}."$TGT" \
+        && [ -s "$BIN/dict.$SRC.txt" ]; then
+    log "up to date, skipping: $BIN (fairseq-preprocess output)"
 else
     log "fairseq-preprocess --joined-dictionary -> $BIN"
-    rm -rf "$BIN"   # a partial run leaves no test.*.TGT.bin (written last), so start clean
+    rm -rf "$BIN"
     "$FAIRSEQ_PREPROCESS" --source-lang "$SRC" --target-lang "$TGT" \
         --trainpref "$BPE/train" --validpref "$BPE/valid" --testpref "$BPE/test" \
         --destdir "$BIN" --joined-dictionary --workers "$WORKERS" >&2

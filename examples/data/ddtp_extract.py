@@ -28,11 +28,18 @@ The procedure is the one described in ``shared/data/ddtp-de-en/README.md``:
    is train.  Then valid pairs whose English or German side occurs in test are
    removed, and train pairs whose English or German side occurs in valid or test.
 
-Not reproduced: the bundled copy in shared/data additionally removed 80 train pairs
-"whose English side is reserved for other evaluation sets"; that list is not
-published, so this script cannot remove them.  The hash that chose the bundled
-test/valid descriptions is not published either; ``--split-from DIR`` reuses the
-split of an existing copy (e.g. shared/data/ddtp-de-en) to reproduce it.
+Which descriptions go to test/valid: the hash that chose them for the bundled copy in
+shared/data/ddtp-de-en is not published, so there are three ways:
+  --split-ids FILE   lines "Description-md5<TAB>test|valid"; unlisted ones go to train.
+                     splits/ddtp-de-en.tsv (next to this script) is the bundled copy's
+                     choice, so the result has that copy's valid and test, byte for byte.
+  --split-from DIR   derive the same from an existing copy DIR/{train,valid,test}.{en,de}.
+  (neither)          the sha256 ordering of step 4.
+--save-split FILE writes the choice made in that format.
+
+Not reproduced: the bundled copy additionally removed 80 train pairs "whose English
+side is reserved for other evaluation sets"; that list is not published, so this
+script cannot remove them (train has those 80 pairs more).
 
 Words are whitespace-separated tokens (``str.split()``).
 """
@@ -203,7 +210,26 @@ def split_from_reference(pairs, ref_dir, stats):
         if md5 not in assign or rank[split] < rank[assign[md5]]:
             assign[md5] = split
     stats["pairs not found in --split-from copy"] = sum((e, d) not in where for _, e, d in pairs)
-    return lambda md5: assign.get(md5, "train")
+    return assign
+
+
+def read_split_ids(path):
+    assign = {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip() or line.startswith("#"):
+                continue
+            key, _, split = line.rstrip("\n").partition("\t")
+            if split not in ("train", "valid", "test"):
+                die("%s:%d: expected 'ID<TAB>train|valid|test'" % (path, n))
+            assign[key] = split
+    return assign
+
+
+def save_split(path, assign):
+    with open(path, "w", encoding="utf-8") as f:
+        for key in sorted(k for k, v in assign.items() if v != "train"):
+            f.write("%s\t%s\n" % (key, assign[key]))
 
 
 def split_by_hash(pairs, test_size, valid_size):
@@ -219,7 +245,7 @@ def split_by_hash(pairs, test_size, valid_size):
             n_valid += per_md5[md5]
         else:
             assign[md5] = "train"
-    return assign.__getitem__
+    return assign
 
 
 def main():
@@ -229,6 +255,10 @@ def main():
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--test-size", type=int, default=1000, help="pairs in test (approx.)")
     ap.add_argument("--valid-size", type=int, default=1000, help="pairs in valid (approx.)")
+    ap.add_argument("--split-ids", metavar="FILE",
+                    help="lines 'Description-md5<TAB>test|valid' choosing the held-out "
+                         "descriptions; all others go to train")
+    ap.add_argument("--save-split", metavar="FILE", help="write the test/valid choice made here")
     ap.add_argument("--split-from", metavar="DIR",
                     help="reuse the test/valid/train assignment of descriptions found in an "
                          "existing copy (DIR/{train,valid,test}.{en,de}); unknown ones go to train")
@@ -247,13 +277,22 @@ def main():
     pairs = list(filter_pairs(build_pairs(en, de, stats), stats))
     stats["pairs after filters"] = len(pairs)
 
-    if args.split_from:
-        which = split_from_reference(pairs, args.split_from, stats)
+    if args.split_ids and args.split_from:
+        die("give at most one of --split-ids and --split-from")
+    if args.split_ids:
+        assign = read_split_ids(args.split_ids)
+        present = {md5 for md5, _, _ in pairs}
+        stats["held-out descriptions listed in --split-ids but absent here"] = sum(
+            m not in present for m, v in assign.items() if v != "train")
+    elif args.split_from:
+        assign = split_from_reference(pairs, args.split_from, stats)
     else:
-        which = split_by_hash(pairs, args.test_size, args.valid_size)
+        assign = split_by_hash(pairs, args.test_size, args.valid_size)
+    if args.save_split:
+        save_split(args.save_split, assign)
     splits = {"train": [], "valid": [], "test": []}
     for md5, e, d in pairs:
-        splits[which(md5)].append((e, d))
+        splits[assign.get(md5, "train")].append((e, d))
 
     held_en = {e for e, _ in splits["test"]}
     held_de = {d for _, d in splits["test"]}

@@ -12,22 +12,32 @@
 # debian-archive-keyring).
 #
 # Then ddtp_extract.py (standard library only) joins the records on Description-md5, pairs short
-# descriptions and paragraphs, filters, splits by a hash of Description-md5 and removes cross-split
-# overlaps, as described in shared/data/ddtp-de-en/README.md.  NOT reproducible: that bundled copy also
-# dropped 80 train pairs "whose English side is reserved for other evaluation sets" (the list is not
-# published), so train here has about 80 more pairs.  Finally bpe-binarize.sh, direction de -> en.
+# descriptions and paragraphs, filters, splits by Description-md5 (all segments of a description in
+# one split) and removes cross-split overlaps, as described in shared/data/ddtp-de-en/README.md.
+# Finally bpe-binarize.sh, direction de -> en, joined dictionary.
+#
+# NOT reproducible: the bundled copy shared/data/ddtp-de-en also dropped 80 train pairs "whose English
+# side is reserved for other evaluation sets"; that list is not published, so train here has those
+# 80 pairs more (29088 instead of 29008 pairs with the bundled split, archive of July 2026).
 #
 # Outputs:
 #   OUT_DIR/apt/                             private apt state (lists/ holds the downloaded indexes)
 #   OUT_DIR/raw/{train,valid,test}.{de,en}   raw text pairs, OUT_DIR/raw/stats.txt
 #   OUT_DIR/bpe/, OUT_DIR/bin/               BPE text and fairseq-preprocess output (--joined-dictionary)
-# Environment: PYTHON (default python, else python3), BPE_MERGES (default 8000),
+# Environment: PYTHON (default python, else python3), BPE_MERGES (default 8000), WORKERS (default 2),
 #   DEBIAN_MIRROR (default http://deb.debian.org/debian), DEBIAN_SUITE (default bookworm),
 #   DEBIAN_KEYRING (default /usr/share/keyrings/debian-archive-keyring.gpg),
 #   TRANSLATION_EN / TRANSLATION_DE: use these index files (plain/.xz/.gz/.bz2/.lz4) instead of apt,
-#   SPLIT_FROM=DIR: reuse the split of an existing copy (e.g. shared/data/ddtp-de-en); with it,
-#   valid and test are byte-identical to that copy and train has the 80 "reserved" pairs in addition.
-# Re-running skips steps whose outputs exist (delete OUT_DIR/raw to re-extract, OUT_DIR/apt to re-download).
+#   SPLIT: which descriptions are held out:
+#     bundled (default)  those of the bundled copy (splits/ddtp-de-en.tsv, 413 test + 419 valid
+#                        md5s): valid and test are then byte-identical to shared/data/ddtp-de-en and
+#                        none of their segments is in train, so results are comparable with it;
+#                        descriptions not in the list (archive changes) go to train;
+#     hash               sha256(md5) order, ~1000 test then ~1000 valid pairs (README recipe);
+#                        its test overlaps the bundled train: do not mix the two;
+#     FILE               an "md5<TAB>test|valid" list.
+#   SPLIT_FROM=DIR       derive the held-out descriptions from an existing copy DIR/*.{de,en}.
+# Re-running skips steps whose outputs exist and are up to date (delete OUT_DIR/apt to re-download).
 set -euo pipefail
 
 die() { echo "prepare-ddtp.sh: error: $*" >&2; exit 1; }
@@ -95,14 +105,33 @@ if [ -n "$release" ]; then
     log "archive: $(grep -m1 '^Version:' "$release" || true), $(grep -m1 '^Date:' "$release" || true)"
 fi
 
+# which units are held out (see the extractor's docstring)
+SPLIT=${SPLIT:-bundled}
+if [ -n "${SPLIT_FROM:-}" ]; then
+    [ -d "$SPLIT_FROM" ] || die "SPLIT_FROM is not a directory: $SPLIT_FROM"
+    split_args=(--split-from "$SPLIT_FROM")
+elif [ "$SPLIT" = bundled ]; then
+    [ -f "$HERE/splits/ddtp-de-en.tsv" ] || die "missing $HERE/splits/ddtp-de-en.tsv"
+    split_args=(--split-ids "$HERE/splits/ddtp-de-en.tsv")
+elif [ "$SPLIT" = hash ]; then
+    split_args=()
+elif [ -f "$SPLIT" ]; then
+    split_args=(--split-ids "$SPLIT")
+else
+    die "SPLIT must be 'bundled', 'hash' or a split file (got '$SPLIT')"
+fi
+
 # 2. raw segment pairs
 RAW=$OUT/raw
-if [ -s "$RAW/test.en" ] && [ -s "$RAW/stats.txt" ]; then
+EXTRACT_ARGS="${split_args[*]:-hash}"
+if [ -s "$RAW/test.en" ] && [ "$RAW/test.en" -nt "$EN" ] && [ "$RAW/test.en" -nt "$DE" ] \
+        && [ "$(cat "$RAW/extract-args.txt" 2>/dev/null)" = "$EXTRACT_ARGS" ]; then
     log "exists, skipping extraction: $RAW"
 else
     log "extracting segment pairs -> $RAW"
     "$PYTHON" "$HERE/ddtp_extract.py" --en "$EN" --de "$DE" --out "$RAW.tmp" \
-        ${SPLIT_FROM:+--split-from "$SPLIT_FROM"} >&2
+        "${split_args[@]}" >&2
+    echo "$EXTRACT_ARGS" > "$RAW.tmp/extract-args.txt"
     rm -rf "$RAW"
     mv "$RAW.tmp" "$RAW"
 fi

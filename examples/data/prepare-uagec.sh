@@ -12,10 +12,15 @@
 #   OUT_DIR/raw/{train,valid,test}.{src,tgt}   raw text pairs, OUT_DIR/raw/stats.txt
 #   OUT_DIR/bpe/                               BPE codes and segmented text
 #   OUT_DIR/bin/                               fairseq-preprocess output (use as DATA for fairseq-train)
-# Environment: PYTHON, UA_GEC_VERSION (default 2.1.3), BPE_MERGES (default 8000),
-#   SPLIT_FROM=DIR to reuse the valid documents of an existing copy (e.g. shared/data/ua-gec)
-#   instead of the hash choice; with it the raw files are byte-identical to that copy.
-# Re-running skips steps whose outputs exist (delete OUT_DIR/raw to re-extract).
+# Environment: PYTHON, UA_GEC_VERSION (default 2.1.3), BPE_MERGES (default 8000), WORKERS (default 2),
+#   SPLIT: which train documents become valid (test is always the official test split):
+#     bundled (default)  the 40 documents of the bundled copy shared/data/ua-gec, listed in
+#                        splits/ua-gec.tsv: the raw files are then byte-identical to that copy,
+#                        so models trained here can be evaluated on the bundled data and back;
+#     hash               documents in sha256(doc id) order until about 1000 pairs (README recipe);
+#     FILE               a "doc_id<TAB>valid" list.
+#   SPLIT_FROM=DIR       derive the valid documents from an existing copy DIR/valid.{src,tgt}.
+# Re-running skips steps whose outputs exist and are up to date.
 set -euo pipefail
 
 die() { echo "prepare-uagec.sh: error: $*" >&2; exit 1; }
@@ -38,13 +43,31 @@ else
     "$PYTHON" -m pip install --quiet "ua-gec==$UA_GEC_VERSION" || die "pip install ua-gec==$UA_GEC_VERSION failed"
 fi
 
+# which units are held out (see the extractor's docstring)
+SPLIT=${SPLIT:-bundled}
+if [ -n "${SPLIT_FROM:-}" ]; then
+    [ -d "$SPLIT_FROM" ] || die "SPLIT_FROM is not a directory: $SPLIT_FROM"
+    split_args=(--split-from "$SPLIT_FROM")
+elif [ "$SPLIT" = bundled ]; then
+    [ -f "$HERE/splits/ua-gec.tsv" ] || die "missing $HERE/splits/ua-gec.tsv"
+    split_args=(--split-ids "$HERE/splits/ua-gec.tsv")
+elif [ "$SPLIT" = hash ]; then
+    split_args=()
+elif [ -f "$SPLIT" ]; then
+    split_args=(--split-ids "$SPLIT")
+else
+    die "SPLIT must be 'bundled', 'hash' or a split file (got '$SPLIT')"
+fi
+
 # 2. raw sentence pairs
 RAW=$OUT/raw
-if [ -s "$RAW/test.tgt" ] && [ -s "$RAW/stats.txt" ]; then
+EXTRACT_ARGS="${split_args[*]:-hash}"
+if [ -s "$RAW/test.tgt" ] && [ "$(cat "$RAW/extract-args.txt" 2>/dev/null)" = "$EXTRACT_ARGS" ]; then
     log "exists, skipping extraction: $RAW"
 else
     log "extracting sentence pairs -> $RAW"
-    "$PYTHON" "$HERE/uagec_extract.py" --out "$RAW.tmp" ${SPLIT_FROM:+--split-from "$SPLIT_FROM"} >&2
+    "$PYTHON" "$HERE/uagec_extract.py" --out "$RAW.tmp" "${split_args[@]}" >&2
+    echo "$EXTRACT_ARGS" > "$RAW.tmp/extract-args.txt"
     rm -rf "$RAW"
     mv "$RAW.tmp" "$RAW"
 fi

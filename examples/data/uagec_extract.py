@@ -24,10 +24,15 @@ The procedure is the one described in ``shared/data/ua-gec/README.md``:
    and within valid; valid pairs whose source occurs in test are removed, and train
    pairs whose source occurs in valid or test.
 
-The hash that chose the 40 valid documents of the bundled copy in shared/data is not
-published; ``--split-from DIR`` reuses that copy's choice of valid documents (a train
-document is put in valid if each of its pairs is in DIR/valid.{src,tgt} or has its
-source in test).
+Which train documents go to valid: the hash that chose the 40 valid documents of the
+bundled copy in shared/data/ua-gec is not published, so there are three ways:
+  --split-ids FILE   lines "doc_id<TAB>valid"; unlisted documents go to train.
+                     splits/ua-gec.tsv (next to this script) is the bundled copy's choice,
+                     so the result equals that copy byte for byte.
+  --split-from DIR   derive it from an existing copy (a train document is put in valid if
+                     each of its pairs is in DIR/valid.{src,tgt} or has its source in test).
+  (neither)          the sha256 ordering of step 3.
+--save-split FILE writes the choice made in that format.
 """
 
 import argparse
@@ -101,6 +106,9 @@ def main():
     ap.add_argument("--valid-size", type=int, default=1000, help="pairs in valid (approx.)")
     ap.add_argument("--max-valid-doc", type=int, default=200,
                     help="documents with more pairs than this are never put in valid")
+    ap.add_argument("--split-ids", metavar="FILE",
+                    help="lines 'doc_id<TAB>valid' choosing the valid documents")
+    ap.add_argument("--save-split", metavar="FILE", help="write the valid documents chosen here")
     ap.add_argument("--split-from", metavar="DIR",
                     help="reuse the valid documents of an existing copy (DIR/valid.{src,tgt})")
     args = ap.parse_args()
@@ -116,7 +124,24 @@ def main():
     if not test_docs or not train_docs:
         die("ua_gec returned no documents")
 
-    if args.split_from:
+    if args.split_ids and args.split_from:
+        die("give at most one of --split-ids and --split-from")
+    if args.split_ids:
+        valid_ids = set()
+        with open(args.split_ids, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip() or line.startswith("#"):
+                    continue
+                doc_id, _, split = line.rstrip("\n").partition("\t")
+                if split not in ("train", "valid"):
+                    die("%s:%d: expected 'doc_id<TAB>valid'" % (args.split_ids, n))
+                if split == "valid":
+                    valid_ids.add(doc_id)
+        known = {i for i, _ in train_docs}
+        if valid_ids - known:
+            die("--split-ids names documents that are not in the official train split: %s"
+                % " ".join(sorted(valid_ids - known)[:10]))
+    elif args.split_from:
         ref = set(zip(read_lines(os.path.join(args.split_from, "valid.src")),
                       read_lines(os.path.join(args.split_from, "valid.tgt"))))
         test_src = {s for _, pairs in test_docs for s, _ in pairs}
@@ -132,6 +157,9 @@ def main():
                 continue
             valid_ids.add(doc_id)
             n += len(pairs)
+    if args.save_split:
+        with open(args.save_split, "w", encoding="utf-8") as f:
+            f.writelines("%s\tvalid\n" % i for i in sorted(valid_ids))
     stats["valid documents"] = len(valid_ids)
     stats["train documents"] = len(train_docs) - len(valid_ids)
 

@@ -1,0 +1,53 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from helpers import collate, make_dictionary, make_task, tiny_transformer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def copy_model():
+    """A tiny transformer trained in-process on a near-copy task (GEC-like: ~10% edits)."""
+    d = make_dictionary(30)
+    task = make_task(d)
+    model = tiny_transformer(task, seed=0, encoder_layers=1, decoder_layers=2)
+    lo, hi = d.nspecial, len(d)
+    g = torch.Generator().manual_seed(0)
+
+    def pair(n):
+        src = torch.randint(lo, hi, (n,), generator=g)
+        tgt = src.clone()
+        edits = torch.rand(n, generator=g) < 0.1
+        # deterministic edit: a word becomes its successor (learnable)
+        tgt[edits] = lo + (tgt[edits] - lo + 1) % (hi - lo)
+        eos = torch.tensor([d.eos()])
+        return torch.cat([src, eos]), torch.cat([tgt, eos])
+
+    def make_batch(batch_size):
+        pairs = [pair(int(torch.randint(3, 16, (1,), generator=g))) for _ in range(batch_size)]
+        return collate(d, [s for s, _ in pairs], targets=[t for _, t in pairs])
+
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        sample = make_batch(32)
+        net_output = model(**sample["net_input"])
+        lprobs = model.get_normalized_probs(net_output, log_probs=True)
+        loss = torch.nn.functional.nll_loss(
+            lprobs.view(-1, lprobs.size(-1)), sample["target"].view(-1), ignore_index=d.pad()
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+    def make_sample(batch_size, seed):
+        g.manual_seed(seed)
+        return make_batch(batch_size)
+
+    return model, d, make_sample
