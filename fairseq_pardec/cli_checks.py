@@ -12,6 +12,15 @@ from .errors import UsageError
 
 TASK_FLAGS = ("--generator", "--block-size")
 CLIS = ("fairseq-generate", "fairseq-interactive", "fairseq-train", "fairseq-validate")
+MODULES = ("generate.py", "interactive.py", "train.py", "validate.py")  # python -m fairseq_cli.X
+
+
+def _is_fairseq_cli(program):
+    name = os.path.basename(program)
+    return name.startswith(CLIS) or (
+        os.path.basename(os.path.dirname(program)) == "fairseq_cli"
+        and name.startswith(MODULES)
+    )
 
 
 def _task(argv):
@@ -25,7 +34,7 @@ def _task(argv):
 
 def check_argv(argv=None):
     argv = sys.argv if argv is None else argv
-    if not argv or not any(os.path.basename(argv[0]).startswith(c) for c in CLIS):
+    if not argv or not _is_fairseq_cli(argv[0]):
         return
     used = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in TASK_FLAGS]
     if used and _task(argv) != "translation_pardec":

@@ -1,0 +1,165 @@
+"""The stock fairseq CLIs with --user-dir fairseq_pardec: train, resume, generate, interactive."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGIN = os.path.join(ROOT, "fairseq_pardec")
+MINI = os.path.join(ROOT, "data", "uagec-mini")
+N_TEST = 37  # not a multiple of the batch sizes below: the tail batch must survive
+
+TINY = (
+    "--arch transformer --encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 "
+    "--decoder-embed-dim 32 --encoder-ffn-embed-dim 64 --decoder-ffn-embed-dim 64 "
+    "--encoder-attention-heads 2 --decoder-attention-heads 2 --share-all-embeddings "
+    "--optimizer adam --lr 0.003 --batch-size 32 --no-progress-bar --log-format simple "
+    "--num-workers 0 --seed 1"
+).split()
+
+
+def run(module, *args, input_text=None, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        capture_output=True, text=True, env=env, input=input_text, timeout=600,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError("%s failed (%d):\n%s" % (module, proc.returncode, proc.stderr[-3000:]))
+    return proc
+
+
+@pytest.fixture(scope="session")
+def cli_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    raw = root / "raw"
+    raw.mkdir()
+    for split, n in (("train", 300), ("valid", 30), ("test", N_TEST)):
+        for side in ("src", "tgt"):
+            with open(os.path.join(MINI, "%s.%s" % (split, side)), encoding="utf-8") as f:
+                lines = f.read().split("\n")[:n]
+            (raw / ("%s.%s" % (split, side))).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    data = root / "bin"
+    run("fairseq_cli.preprocess", "--source-lang", "src", "--target-lang", "tgt",
+        "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
+        "--destdir", data, "--joined-dictionary", "--nwordssrc", 600, "--workers", 1)
+    return root, data
+
+
+@pytest.fixture(scope="session")
+def stock_checkpoint(cli_data):
+    """Trained with the *stock* translation task and --eval-bleu (numpy state in the checkpoint)."""
+    root, data = cli_data
+    save = root / "ckpt-stock"
+    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation", *TINY,
+        "--max-update", 12, "--save-dir", save, "--eval-bleu", "--eval-bleu-args", '{"beam": 1}',
+        "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric")
+    return save
+
+
+def hypotheses(stdout):
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^H-(\d+)\t\S+\t(.*)$", stdout, re.M)}
+
+
+def generate(data, ckpt, *extra, task="translation_pardec", check=True):
+    return run("fairseq_cli.generate", data, "--user-dir", PLUGIN, "--path", ckpt,
+               "--task", task, "--gen-subset", "test", "--max-len-b", 30, *extra, check=check)
+
+
+def test_resume_training_from_eval_bleu_checkpoint(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation", *TINY,
+               "--max-update", 16, "--save-dir", stock_checkpoint, "--eval-bleu",
+               "--eval-bleu-args", '{"beam": 1}', "--best-checkpoint-metric", "bleu",
+               "--maximize-best-checkpoint-metric")
+    assert "Loaded checkpoint" in proc.stderr + proc.stdout
+    assert "num_updates 16" in proc.stderr + proc.stdout or "num_updates: 16" in proc.stderr
+
+
+@pytest.mark.parametrize("batching", [
+    ["--batch-size", 8, "--required-batch-size-multiple", 8],
+    ["--batch-size", 5, "--required-batch-size-multiple", 3],
+    ["--max-tokens", 60],
+])
+def test_every_sentence_is_decoded(cli_data, stock_checkpoint, batching):
+    _, data = cli_data
+    out = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "greedy", *batching)
+    assert sorted(hypotheses(out.stdout)) == list(range(N_TEST))
+
+
+def test_iad_identical_to_greedy_and_reports_stats(cli_data, stock_checkpoint):
+    _, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    greedy = generate(data, ckpt, "--generator", "greedy", "--batch-size", 16)
+    iad = generate(data, ckpt, "--generator", "iad", "--batch-size", 16)
+    beam_one = generate(data, ckpt, "--task", "translation", "--beam", 1, "--batch-size", 16,
+                        task="translation")
+    assert hypotheses(iad.stdout) == hypotheses(greedy.stdout)
+    assert len(hypotheses(iad.stdout)) == N_TEST
+    # The stock task drops the tail batch (37 = 16 + 16 + 5, 5 not a multiple of 8) ...
+    stock = hypotheses(beam_one.stdout)
+    assert len(stock) < N_TEST
+    # ... and agrees with us on every sentence it does decode.
+    assert all(hypotheses(iad.stdout)[i] == h for i, h in stock.items())
+    summary = [l for l in iad.stderr.splitlines() if "pardec generator=iad" in l]
+    assert len(summary) == 1
+    assert "sentences %d" % N_TEST in summary[0]
+    assert "mean accepted tokens per iteration" in summary[0]
+
+
+def test_checkpoint_of_our_task_decodes_with_stock_task(cli_data):
+    root, data = cli_data
+    save = root / "ckpt-ours"
+    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec", *TINY,
+        "--max-update", 4, "--save-dir", save, "--no-epoch-checkpoints")
+    out = generate(data, save / "checkpoint_last.pt", "--beam", 2, "--required-batch-size-multiple", 1,
+                   task="translation")
+    assert len(hypotheses(out.stdout)) == N_TEST
+
+
+def test_interactive_empty_line_decodes_and_continues(cli_data, stock_checkpoint):
+    _, data = cli_data
+    lines = "Це речення .\n\nЩе одне речення .\n"
+    out = run("fairseq_cli.interactive", data, "--user-dir", PLUGIN, "--path",
+              stock_checkpoint / "checkpoint_last.pt", "--task", "translation_pardec",
+              "--generator", "iad", "--source-lang", "src", "--target-lang", "tgt",
+              "--max-len-b", 20, input_text=lines)
+    assert len(re.findall(r"^H-\d+\t", out.stdout, re.M)) == 3
+
+
+# ---------------------------------------------------------------- bad input: one line, no traceback
+def assert_clean_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr[-2000:]
+
+
+def test_unknown_generator_lists_choices(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "nope", check=False)
+    assert_clean_error(proc, "--generator", "invalid choice", "greedy", "iad")
+
+
+def test_generator_without_our_task(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    task="translation", check=False)
+    assert_clean_error(proc, "--task translation_pardec")
+
+
+def test_block_size_must_be_positive(cli_data, stock_checkpoint):
+    _, data = cli_data
+    for bad in ("0", "-3"):
+        proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                        "--block-size", bad, check=False)
+        assert_clean_error(proc, "--block-size", ">= 1")
+
+
+def test_missing_data_dir(cli_data, stock_checkpoint):
+    root, _ = cli_data
+    proc = generate(root / "no-such-dir", stock_checkpoint / "checkpoint_last.pt", check=False)
+    assert_clean_error(proc, "does not exist", "no-such-dir")
