@@ -163,3 +163,25 @@ def test_missing_data_dir(cli_data, stock_checkpoint):
     root, _ = cli_data
     proc = generate(root / "no-such-dir", stock_checkpoint / "checkpoint_last.pt", check=False)
     assert_clean_error(proc, "does not exist", "no-such-dir")
+
+
+def test_benchmark_harness(cli_data, stock_checkpoint, tmp_path):
+    import json
+
+    _, data = cli_data
+    out = tmp_path / "bench"
+    proc = run("fairseq_pardec.benchmark", data, "--path", stock_checkpoint / "checkpoint_last.pt",
+               "--generators", "beam:beam=2", "greedy", "iad", "--batch-sizes", 1, 4,
+               "--repeats", 1, "--max-sentences", 9, "--warmup-sentences", 2, "--threads", 1,
+               "--max-len-b", 12, "--no-progress", "--out-dir", out)
+    result = json.loads((out / "results.json").read_text())
+    rows = {(r["generator"], r["batch_size"]): r for r in result["rows"]}
+    assert set(rows) == {(g, b) for g in ("beam2", "greedy", "iad") for b in (1, 4)}
+    for b in (1, 4):
+        assert rows[("iad", b)]["identical_to_greedy"] == 1.0
+        assert rows[("iad", b)]["sentences"] == 9
+        assert rows[("greedy", b)]["speedup_vs_greedy"] == 1.0
+        assert rows[("beam2", b)]["speedup_vs_beam"] == 1.0
+    assert (out / "quality_vs_speed.png").stat().st_size > 0
+    assert "| iad | 4 |" in (out / "results.md").read_text()
+    assert "| iad | 4 |" in proc.stdout

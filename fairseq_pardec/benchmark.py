@@ -1,0 +1,397 @@
+"""Side-by-side decoding benchmark: ``python -m fairseq_pardec.benchmark DATA --path CKPT ...``.
+
+One process, one loaded model, the same sentences for every generator. Protocol: a warm-up pass
+per generator, then ``--repeats`` rounds in which the generators run one after another (A B C, A B
+C, ...), at every batch size; a generator's time is the median over rounds of its total decode
+time (``generate`` calls only: batching and detokenisation excluded); ``torch`` threads fixed.
+
+Reports BLEU and chrF (sacrebleu, on text after removing BPE), latency, sentences/s, speedup vs
+greedy and vs beam at the same batch size, mean accepted tokens per iteration, iterations per
+sentence and the identical-to-greedy rate. Writes ``results.md``, ``results.json`` and
+``quality_vs_speed.png`` to ``--out-dir``.
+"""
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from argparse import Namespace
+
+import torch
+
+logger = logging.getLogger("fairseq_pardec.benchmark")
+
+
+# ---------------------------------------------------------------------- generator specs
+def parse_spec(spec):
+    """``name`` or ``name:key=value,key=value`` -> (label, name, {key: value}).
+
+    Keys are fairseq generation options (beam, lenpen, max_len_a, ...) or task options of
+    translation_pardec (block_size, ...); values are parsed as Python literals when possible.
+    """
+    import ast
+
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit("benchmark: error: bad generator option %r in %r (want key=value)" % (item, spec))
+        try:
+            options[key.replace("-", "_")] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key.replace("-", "_")] = value
+    if name == "beam" and "beam" not in options:
+        options["beam"] = 5
+    label = name if name != "beam" else "beam%d" % options["beam"]
+    extra = {k: v for k, v in options.items() if k != "beam" or name != "beam"}
+    if extra:
+        label += "(" + ",".join("%s=%s" % kv for kv in sorted(extra.items())) + ")"
+    return label, name, options
+
+
+def generation_args(options, defaults):
+    args = dict(
+        beam=1, nbest=1, max_len_a=defaults.max_len_a, max_len_b=defaults.max_len_b, min_len=1,
+        lenpen=1.0, unkpen=0.0, temperature=1.0, unnormalized=False, sampling=False,
+        no_repeat_ngram_size=0, match_source_len=False, diverse_beam_groups=-1,
+        diverse_beam_strength=0.5, diversity_rate=-1.0, constraints=None, print_alignment=None,
+        sampling_topk=-1, sampling_topp=-1.0, prefix_allowed_tokens_fn=None, score_reference=False,
+    )
+    args.update(options)
+    return Namespace(**args)
+
+
+# ---------------------------------------------------------------------- loading
+def load(args):
+    from fairseq import checkpoint_utils, tasks, utils
+
+    import fairseq_pardec  # noqa: F401  (registers the task, allows safe checkpoint loading)
+    from fairseq_pardec.tasks import translation_pardec
+
+    translation_pardec._SummaryReporter.enabled = False  # the benchmark reports itself
+    # Let fairseq's own parser build the task config, exactly as fairseq-generate does.
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    argv = [args.data, "--task", "translation_pardec", "--path", args.path]
+    if args.source_lang:
+        argv += ["--source-lang", args.source_lang]
+    if args.target_lang:
+        argv += ["--target-lang", args.target_lang]
+    parser = options.get_generation_parser()
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
+    task = tasks.setup_task(cfg.task)
+    models, _ = checkpoint_utils.load_model_ensemble([args.path], task=task)
+    model = models[0]
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    if args.fp16:
+        model.half()
+    if use_cuda:
+        model.cuda()
+    model.eval()
+    task.load_dataset(args.gen_subset)
+    return task, model, use_cuda, utils
+
+
+def batches(task, model, dataset, batch_size, max_sentences, use_cuda, utils):
+    itr = task.get_batch_iterator(
+        dataset=dataset,
+        max_sentences=batch_size,
+        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+        ignore_invalid_inputs=True,
+        required_batch_size_multiple=1,
+    ).next_epoch_itr(shuffle=False)
+    out = []
+    for sample in itr:
+        if max_sentences is not None:
+            keep = sample["id"] < max_sentences
+            if not bool(keep.any()):
+                continue
+            if not bool(keep.all()):
+                sample = _select(sample, keep)
+        out.append(utils.move_to_cuda(sample) if use_cuda else sample)
+    return out
+
+
+def _select(sample, keep):
+    idx = keep.nonzero().view(-1)
+    net = {k: v[idx] if torch.is_tensor(v) else v for k, v in sample["net_input"].items()}
+    return {
+        "id": sample["id"][idx],
+        "nsentences": int(idx.numel()),
+        "ntokens": sample["ntokens"],
+        "net_input": net,
+        "target": sample["target"][idx] if sample.get("target") is not None else None,
+    }
+
+
+# ---------------------------------------------------------------------- decoding
+def build(task, model, spec, defaults):
+    label, name, options = spec
+    from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig
+
+    task_keys = set(TranslationPardecConfig.__dataclass_fields__) - {"data"}
+    task_options = {k: v for k, v in options.items() if k in task_keys}
+    gen_options = {k: v for k, v in options.items() if k not in task_keys}
+    saved = {k: getattr(task.cfg, k) for k in task_options}
+    saved["generator"] = task.cfg.generator
+    try:
+        task.cfg.generator = name
+        for key, value in task_options.items():
+            setattr(task.cfg, key, value)
+        return task.build_generator([model], generation_args(gen_options, defaults))
+    finally:
+        for key, value in saved.items():
+            setattr(task.cfg, key, value)
+
+
+def decode(task, model, generator, samples, progress=None):
+    outputs = {}
+    generator.stats.reset()
+    for sample in samples:
+        hypos = task.inference_step(generator, [model], sample, prefix_tokens=None)
+        for sid, hypo in zip(sample["id"].tolist(), hypos):
+            outputs[sid] = hypo[0]["tokens"].int().cpu()
+        if progress is not None:
+            progress.update(len(hypos))
+    return outputs, generator.stats.as_dict()
+
+
+def to_text(task, tokens, remove_bpe):
+    return task.target_dictionary.string(tokens, remove_bpe, extra_symbols_to_ignore={task.target_dictionary.eos()})
+
+
+def quality(task, outputs, references, remove_bpe):
+    import sacrebleu
+
+    ids = sorted(outputs)
+    hyps = [to_text(task, outputs[i], remove_bpe) for i in ids]
+    refs = [references[i] for i in ids]
+    return {
+        "bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
+        "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2),
+    }
+
+
+def machine_description(use_cuda, threads):
+    if use_cuda:
+        return "%s, CUDA %s" % (torch.cuda.get_device_name(0), torch.version.cuda)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return "CPU %s, %d cores visible, torch threads %d" % (cpu, os.cpu_count() or 0, threads)
+
+
+def git_commit():
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def run(args):
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    task, model, use_cuda, utils = load(args)
+    dataset = task.dataset(args.gen_subset)
+    specs = [parse_spec(s) for s in args.generators]
+    labels = [s[0] for s in specs]
+    if len(set(labels)) != len(labels):
+        raise SystemExit("benchmark: error: a generator is listed twice: %s" % labels)
+    n_sentences = len(dataset) if args.max_sentences is None else min(args.max_sentences, len(dataset))
+    references = {
+        i: task.target_dictionary.string(dataset.tgt[i], args.remove_bpe)
+        for i in range(n_sentences)
+    }
+    greedy_label = next((s[0] for s in specs if s[1] == "greedy"), None)
+    beam_label = next((s[0] for s in specs if s[1] == "beam"), None)
+
+    rows = []
+    for batch_size in args.batch_sizes:
+        samples = batches(task, model, dataset, batch_size, args.max_sentences, use_cuda, utils)
+        generators = {spec[0]: build(task, model, spec, args) for spec in specs}
+        warm = samples[: max(1, args.warmup_sentences // batch_size)]
+        for label, generator in generators.items():  # warm-up (caches, allocator, threads)
+            decode(task, model, generator, warm)
+        times = {label: [] for label in generators}
+        outputs, stats = {}, {}
+        total = len(generators) * args.repeats * n_sentences
+        with tqdm(total=total, desc="batch %d" % batch_size, unit="sent", file=sys.stderr,
+                  disable=args.no_progress) as progress:
+            for _ in range(args.repeats):
+                for label, generator in generators.items():  # alternating: A B C A B C ...
+                    out, st = decode(task, model, generator, samples, progress)
+                    times[label].append(st["wall_time"])
+                    outputs[label], stats[label] = out, st
+        for label in generators:
+            wall = statistics.median(times[label])
+            st = stats[label]
+            row = {
+                "generator": label,
+                "batch_size": batch_size,
+                "sentences": st["sentences"],
+                "wall_time_s": wall,
+                "wall_times_s": times[label],
+                "sentences_per_s": st["sentences"] / wall if wall > 0 else None,
+                "latency_ms_per_sentence": 1000.0 * wall / max(1, st["sentences"]),
+                "mean_accepted_tokens": st["tokens_per_iteration"],
+                "iterations_per_sentence": st["row_iterations"] / max(1, st["sentences"]),
+                "decoder_calls": st["decoder_calls"],
+                "target_tokens": st["target_tokens"],
+            }
+            row.update(quality(task, outputs[label], references, args.remove_bpe))
+            if greedy_label is not None:
+                same = sum(torch.equal(outputs[label][i], outputs[greedy_label][i]) for i in outputs[label])
+                row["identical_to_greedy"] = same / max(1, len(outputs[label]))
+            rows.append(row)
+        by_label = {r["generator"]: r for r in rows if r["batch_size"] == batch_size}
+        for row in by_label.values():
+            for ref_label, key in ((greedy_label, "speedup_vs_greedy"), (beam_label, "speedup_vs_beam")):
+                if ref_label is not None:
+                    row[key] = by_label[ref_label]["wall_time_s"] / row["wall_time_s"]
+
+    meta = {
+        "data": os.path.abspath(args.data),
+        "checkpoint": os.path.abspath(args.path),
+        "gen_subset": args.gen_subset,
+        "sentences": n_sentences,
+        "machine": machine_description(use_cuda, args.threads),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "fp16": args.fp16,
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+    }
+    return meta, rows
+
+
+# ---------------------------------------------------------------------- reporting
+COLUMNS = [
+    ("generator", "generator", "%s"),
+    ("batch_size", "batch", "%d"),
+    ("bleu", "BLEU", "%.2f"),
+    ("chrf", "chrF", "%.2f"),
+    ("sentences_per_s", "sent/s", "%.1f"),
+    ("latency_ms_per_sentence", "ms/sent", "%.1f"),
+    ("speedup_vs_greedy", "x greedy", "%.2f"),
+    ("speedup_vs_beam", "x beam", "%.2f"),
+    ("mean_accepted_tokens", "tokens/iter", "%.2f"),
+    ("iterations_per_sentence", "iters/sent", "%.1f"),
+    ("identical_to_greedy", "= greedy", "%.1f%%"),
+]
+
+
+def markdown(meta, rows):
+    lines = [
+        "Machine: %s. Commit %s, %s, torch %s. %d sentences of `%s`, median of %d alternating "
+        "runs after warm-up." % (meta["machine"], meta["commit"], meta["date"], meta["torch"],
+                                 meta["sentences"], meta["gen_subset"], meta["repeats"]),
+        "",
+        "| " + " | ".join(c[1] for c in COLUMNS) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|",
+    ]
+    for row in rows:
+        cells = []
+        for key, _, fmt in COLUMNS:
+            value = row.get(key)
+            if value is None:
+                cells.append("")
+            elif key == "identical_to_greedy":
+                cells.append(fmt % (100 * value))
+            else:
+                cells.append(fmt % value)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for batch_size, marker in zip(sorted({r["batch_size"] for r in rows}), "osD^v"):
+        sub = [r for r in rows if r["batch_size"] == batch_size]
+        ax.scatter([r["sentences_per_s"] for r in sub], [r["bleu"] for r in sub], marker=marker,
+                   label="batch %d" % batch_size)
+        for r in sub:
+            ax.annotate(r["generator"], (r["sentences_per_s"], r["bleu"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("sentences / s (log scale)")
+    ax.set_ylabel("BLEU")
+    ax.set_title("quality vs speed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def get_parser():
+    p = argparse.ArgumentParser(prog="python -m fairseq_pardec.benchmark", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data", help="fairseq-preprocess output directory")
+    p.add_argument("--path", required=True, help="checkpoint of the (verifier) model")
+    p.add_argument("-s", "--source-lang", default=None)
+    p.add_argument("-t", "--target-lang", default=None)
+    p.add_argument("--gen-subset", default="test")
+    p.add_argument("--generators", nargs="+", default=["beam:beam=5", "greedy", "iad"],
+                   help="specs name[:key=value,...], e.g. beam:beam=5 greedy iad iad:block_size=10")
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-sentences", type=int, default=None, help="first N sentences only")
+    p.add_argument("--warmup-sentences", type=int, default=16)
+    p.add_argument("--max-len-a", type=float, default=1.2)
+    p.add_argument("--max-len-b", type=int, default=10)
+    p.add_argument("--remove-bpe", default="@@ ", help="BPE marker to remove before scoring")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--fp16", action="store_true")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out-dir", default="benchmark-out")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def cli_main(argv=None):
+    args = get_parser().parse_args(argv)
+    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes) or args.threads < 1:
+        raise SystemExit("benchmark: error: --repeats, --batch-sizes and --threads must be >= 1")
+    if not os.path.isdir(args.data):
+        raise SystemExit("benchmark: error: data directory %r does not exist" % args.data)
+    if not os.path.isfile(args.path):
+        raise SystemExit("benchmark: error: checkpoint %r does not exist (--path)" % args.path)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    meta, rows = run(args)
+    table = markdown(meta, rows)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    plot(rows, os.path.join(args.out_dir, "quality_vs_speed.png"))
+    print(table)
+    return meta, rows
+
+
+if __name__ == "__main__":
+    cli_main()
