@@ -82,8 +82,8 @@ class CopyDrafter(Drafter):
     shortest suffix of the output (BOS included) that occurs exactly once in [BOS] + source, and
     draft the source tokens that follow that occurrence. When every suffix is ambiguous (a
     repeated token such as a comma), the paper falls back to one greedy step; we instead pick the
-    occurrence at or after the previous match (outputs of GEC follow the source left to right),
-    else the first one. A suffix whose last token does not occur in the source gives no draft
+    occurrence nearest to where the previous match predicts it (previous match position plus the
+    tokens output since then: GEC output follows the source left to right). A suffix whose last token does not occur in the source gives no draft
     (one plain greedy step). Any draft is safe: exact verification keeps the output identical to
     greedy decoding; the rule only changes how many tokens are accepted.
     """
@@ -107,7 +107,7 @@ class CopyDrafter(Drafter):
                 where.setdefault(token, []).append(i)
             self.sources.append(source)
             self.positions.append(where)
-            self.last_match.append(0)
+            self.last_match.append((0, 0))  # (source index, output length) of the last match
 
     def _match(self, row: int, output: List[int]):
         """Index in the source of the match of the output's last token, or None."""
@@ -123,8 +123,9 @@ class CopyDrafter(Drafter):
                 break
             candidates = longer
         if len(candidates) > 1:
-            after = [i for i in candidates if i >= self.last_match[row]]
-            return after[0] if after else candidates[0]
+            at, n_then = self.last_match[row]
+            expected = at + len(output) - 1 - n_then
+            return min(candidates, key=lambda i: (abs(i - expected), i))
         return candidates[0]
 
     def propose(self, rows, tokens, n_out, max_len):
@@ -138,6 +139,6 @@ class CopyDrafter(Drafter):
             if at is None:
                 drafts.append([])
                 continue
-            self.last_match[row] = at
+            self.last_match[row] = (at, n)
             drafts.append(self.sources[row][at + 1 : at + 1 + limit])
         return pad_drafts(drafts, self.pad, tokens.device)

@@ -1,0 +1,72 @@
+"""The IAD copy drafter's matching rule and dictionary mapping."""
+
+import torch
+
+from fairseq_pardec.generators.drafters import CopyDrafter, SourceVocabularyMap
+
+from helpers import collate, make_dictionary
+
+
+def drafter_for(source_words, d, block_size=None, tgt=None):
+    drafter = CopyDrafter(d, tgt or d, block_size)
+    src = torch.tensor([d.index(w) for w in source_words] + [d.eos()])
+    drafter.start(collate(d, [src]), None, d.eos())
+    return drafter
+
+
+def propose(drafter, d, output_words, limit=100, tgt=None):
+    tgt = tgt or d
+    toks = torch.tensor([[tgt.eos()] + [tgt.index(w) for w in output_words]])
+    draft, n = drafter.propose(torch.tensor([0]), toks, torch.tensor([len(output_words)]),
+                               torch.tensor([limit]))
+    return [tgt[i] for i in draft[0, : int(n[0])].tolist()]
+
+
+def test_initial_draft_is_whole_source_with_eos():
+    d = make_dictionary(20)
+    drafter = drafter_for(["w1", "w2", "w3"], d)
+    assert propose(drafter, d, []) == ["w1", "w2", "w3", "</s>"]
+
+
+def test_unique_suffix_match_and_block_size():
+    d = make_dictionary(20)
+    drafter = drafter_for(["w1", "w2", "w3", "w4", "w5"], d)
+    # output diverged ("w9" inserted) then returned to the source at w3
+    assert propose(drafter, d, ["w1", "w9", "w3"]) == ["w4", "w5", "</s>"]
+    assert propose(drafter, d, ["w1", "w9", "w3"], limit=2) == ["w4", "w5"]
+    capped = drafter_for(["w1", "w2", "w3", "w4", "w5"], d, block_size=1)
+    assert propose(capped, d, ["w1", "w9", "w3"]) == ["w4"]
+
+
+def test_no_occurrence_gives_no_draft():
+    d = make_dictionary(20)
+    drafter = drafter_for(["w1", "w2"], d)
+    assert propose(drafter, d, ["w7"]) == []
+
+
+def test_ambiguous_token_disambiguated_by_longer_suffix():
+    d = make_dictionary(20)
+    drafter = drafter_for(["w1", "w0", "w2", "w3", "w0", "w4"], d)
+    assert propose(drafter, d, ["w1", "w0"]) == ["w2", "w3", "w0", "w4", "</s>"]
+    assert propose(drafter, d, ["w1", "w0", "w2", "w3", "w0"]) == ["w4", "</s>"]
+
+
+def test_ambiguous_everywhere_prefers_occurrence_after_previous_match():
+    d = make_dictionary(20)
+    drafter = drafter_for(["w1", "w0", "w2", "w0", "w3"], d)
+    assert propose(drafter, d, ["w1"]) == ["w0", "w2", "w0", "w3", "</s>"]  # matched at 1
+    # "w9 w0" is ambiguous at every length: take the first w0 at or after the last match
+    assert propose(drafter, d, ["w1", "w0", "w2", "w9", "w0"]) == ["w3", "</s>"]
+
+
+def test_separate_dictionaries_map_by_string_and_stop_at_unknown():
+    src = make_dictionary(20)
+    src.add_symbol("src_only")
+    tgt = make_dictionary(20)
+    mapping = SourceVocabularyMap(src, tgt)
+    ids = torch.tensor([src.index("w3"), src.index("src_only"), src.eos()])
+    assert mapping(ids).tolist() == [tgt.index("w3"), -1, tgt.eos()]
+    drafter = CopyDrafter(src, tgt)
+    s = torch.tensor([src.index("w1"), src.index("w2"), src.index("src_only"), src.index("w3"), src.eos()])
+    drafter.start(collate(src, [s], tgt_dict=tgt), None, tgt.eos())
+    assert propose(drafter, src, [], tgt=tgt) == ["w1", "w2"]
