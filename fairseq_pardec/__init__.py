@@ -5,7 +5,9 @@ from . import cli_checks
 
 cli_checks.check_argv()
 
+from . import criterions  # noqa: F401,E402
 from . import generators  # noqa: F401,E402
+from . import models  # noqa: F401,E402
 from . import tasks  # noqa: F401,E402
 
 __version__ = "0.1.0"

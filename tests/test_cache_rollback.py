@@ -64,12 +64,12 @@ def test_block_equals_token_by_token():
     enc = model.encoder.forward_torchscript(sample["net_input"])
     tokens = torch.tensor([[2, 7, 8, 9, 10], [2, 11, 12, 13, 14]])
     with torch.no_grad():
-        whole = blocks.forward_block(tokens, torch.zeros(2, dtype=torch.long),
-                                     torch.zeros_like(tokens, dtype=torch.bool), enc, {})
+        whole = blocks.log_probs(blocks.forward_block(tokens, torch.zeros(2, dtype=torch.long),
+                                     torch.zeros_like(tokens, dtype=torch.bool), enc, {}))
         state, steps = {}, []
         for i in range(tokens.size(1)):
-            steps.append(blocks.forward_block(tokens[:, i : i + 1], torch.full((2,), i),
-                                              torch.zeros(2, 1, dtype=torch.bool), enc, state))
+            steps.append(blocks.log_probs(blocks.forward_block(
+                tokens[:, i : i + 1], torch.full((2,), i), torch.zeros(2, 1, dtype=torch.bool), enc, state)))
         # and fairseq's own full forward
         full = model.get_normalized_probs(model.decoder(tokens, encoder_out=enc), log_probs=True)
     assert torch.allclose(whole, torch.cat(steps, dim=1), atol=1e-5)

@@ -185,3 +185,22 @@ def test_benchmark_harness(cli_data, stock_checkpoint, tmp_path):
     assert (out / "quality_vs_speed.png").stat().st_size > 0
     assert "| iad | 4 |" in (out / "results.md").read_text()
     assert "| iad | 4 |" in proc.stdout
+
+
+def test_safe_loading_allowlist_is_what_makes_checkpoints_load(stock_checkpoint):
+    """torch's weights-only loader refuses a --eval-bleu checkpoint until the plugin is imported."""
+    code = (
+        "import sys, torch\n"
+        "p = sys.argv[1]\n"
+        "try:\n"
+        "    torch.load(p, weights_only=True); print('plain: loaded')\n"
+        "except Exception:\n"
+        "    print('plain: refused')\n"
+        "import fairseq_pardec\n"
+        "state = torch.load(p, weights_only=True)\n"
+        "print('plugin: loaded', sorted(state)[:2])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(stock_checkpoint / "checkpoint_best.pt")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert "plain: refused" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "plugin: loaded" in proc.stdout, proc.stderr[-2000:]

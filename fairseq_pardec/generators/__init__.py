@@ -5,9 +5,15 @@ where ``args`` is fairseq's generation config, and returns an object with fairse
 ``generate(models, sample, **kwargs)`` and a ``stats`` :class:`DecodeStats`.
 """
 
-from .acceptance import AcceptanceRule, ExactAcceptance
+from .acceptance import (
+    AcceptanceRule,
+    DistanceAcceptance,
+    ExactAcceptance,
+    MinimumBlock,
+    TopKAcceptance,
+)
 from .draft_verify import DraftVerifyGenerator, build_draft_verify
-from .drafters import CopyDrafter, Drafter
+from .drafters import CopyDrafter, Drafter, HeadsDrafter
 from .fairseq_search import CountingSequenceGenerator, build_beam, build_greedy
 from .stats import DecodeStats
 
@@ -21,6 +27,39 @@ def build_iad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     return build_draft_verify(task, models, args, drafter, ExactAcceptance(), "iad")
 
 
+def build_blockwise(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
+    """Blockwise parallel decoding: proposal heads draft, p_1 verifies (merged invocation)."""
+    _refuse_lm(extra_gen_cls_kwargs, "blockwise")
+    if len(models) != 1:
+        raise ValueError("--generator blockwise decodes with one model; give one checkpoint to --path")
+    decoder = models[0].decoder
+    if not hasattr(decoder, "proposal_heads"):
+        raise ValueError(
+            "--generator blockwise needs a model with proposal heads (--arch "
+            "blockwise_transformer*); %s has none" % type(models[0]).__name__
+        )
+    cfg = task.cfg
+    heads = decoder.proposal_heads
+    block = cfg.block_size or heads
+    if block > heads:
+        raise ValueError(
+            "--block-size %d is larger than the model's --proposal-heads %d" % (block, heads)
+        )
+    if cfg.min_block_size > block:
+        raise ValueError("--min-block-size %d is larger than the block size %d"
+                         % (cfg.min_block_size, block))
+    if cfg.blockwise_distance is not None:
+        if cfg.blockwise_topk != 1:
+            raise ValueError("give either --blockwise-topk or --blockwise-distance, not both")
+        rule = DistanceAcceptance(task.target_dictionary, cfg.blockwise_distance)
+    else:
+        rule = TopKAcceptance(cfg.blockwise_topk)
+    if cfg.min_block_size > 1:
+        rule = MinimumBlock(rule, cfg.min_block_size)
+    drafter = HeadsDrafter(decoder, task.target_dictionary.pad(), block)
+    return build_draft_verify(task, models, args, drafter, rule, "blockwise")
+
+
 def _refuse_lm(extra_gen_cls_kwargs, name):
     if extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None:
         raise ValueError("--generator %s does not support --lm-path; use --generator beam" % name)
@@ -30,6 +69,7 @@ GENERATORS = {
     "beam": build_beam,
     "greedy": build_greedy,
     "iad": build_iad,
+    "blockwise": build_blockwise,
 }
 
 __all__ = [

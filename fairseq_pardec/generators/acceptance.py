@@ -47,3 +47,74 @@ class ExactAcceptance(AcceptanceRule):
 
     def token_ok(self, draft, lprobs, verifier_tokens):
         return draft.eq(verifier_tokens)
+
+
+class TopKAcceptance(AcceptanceRule):
+    """Blockwise decoding § 5.1: accept a draft token within the verifier's top-k."""
+
+    def __init__(self, k: int):
+        if k < 1:
+            raise ValueError("--blockwise-topk must be >= 1 (got %d)" % k)
+        self.k = k
+        self.lossless = k == 1
+
+    def token_ok(self, draft, lprobs, verifier_tokens):
+        if self.k == 1:
+            return draft.eq(verifier_tokens)
+        draft_lp = lprobs.gather(-1, draft.unsqueeze(-1))
+        better = (lprobs > draft_lp).sum(dim=-1)
+        return (better < self.k) & torch.isfinite(draft_lp.squeeze(-1))
+
+
+def ordinal_values(dictionary) -> Tensor:
+    """Numeric value of every symbol of an ordinal vocabulary (specials: NaN).
+
+    Raises ValueError naming a symbol that is not a number.
+    """
+    values = torch.full((len(dictionary),), float("nan"))
+    for idx in range(dictionary.nspecial, len(dictionary)):
+        symbol = dictionary[idx]
+        if symbol.startswith("madeupword"):  # fairseq's padding-factor fillers
+            continue
+        try:
+            values[idx] = float(symbol)
+        except ValueError:
+            raise ValueError(
+                "--blockwise-distance needs an ordinal vocabulary (every symbol a number); "
+                "symbol %r is not: use --blockwise-topk instead" % symbol
+            )
+    return values
+
+
+class DistanceAcceptance(AcceptanceRule):
+    """Blockwise decoding § 5.2: accept when |draft - argmax| <= eps on an ordinal vocabulary."""
+
+    def __init__(self, dictionary, eps: float):
+        if eps < 0:
+            raise ValueError("--blockwise-distance must be >= 0 (got %g)" % eps)
+        self.values = ordinal_values(dictionary)
+        self.eps = eps
+
+    def token_ok(self, draft, lprobs, verifier_tokens):
+        values = self.values.to(lprobs.device)
+        distance = (values[draft] - values[verifier_tokens]).abs()
+        exact = draft.eq(verifier_tokens)
+        return exact | (distance <= self.eps)  # NaN distances (specials) compare False
+
+
+class MinimumBlock(AcceptanceRule):
+    """Blockwise decoding § 5.3: accept at least ``min_block - 1`` draft tokens (where there are
+    that many), so every iteration gains at least ``min_block`` tokens."""
+
+    lossless = False
+
+    def __init__(self, rule: AcceptanceRule, min_block: int):
+        if min_block < 1:
+            raise ValueError("--min-block-size must be >= 1 (got %d)" % min_block)
+        self.rule, self.min_block = rule, min_block
+        self.lossless = rule.lossless and min_block == 1
+
+    def accept(self, draft, draft_valid, lprobs, verifier_tokens):
+        accepted = self.rule.accept(draft, draft_valid, lprobs, verifier_tokens)
+        floor = torch.clamp(draft_valid.long().sum(dim=1), max=self.min_block - 1)
+        return torch.maximum(accepted, floor)

@@ -158,9 +158,8 @@ class DraftVerifyGenerator:
             block_pad = cols.unsqueeze(0) > draft_len.unsqueeze(1)
 
             # 2. verify
-            lprobs = blocks.forward_block(
-                block, n_out, block_pad, encoder_out, state, self.temperature
-            )
+            features = blocks.forward_block(block, n_out, block_pad, encoder_out, state)
+            lprobs = blocks.log_probs(features, self.temperature)
             self.stats.decoder_calls += 1
             self.stats.row_iterations += b
             steps = n_out.unsqueeze(1) + cols
@@ -190,6 +189,10 @@ class DraftVerifyGenerator:
             tokens[r_idx, c_idx + 1] = new_tokens[keep]
             cum_scores[r_idx, c_idx] = cum[keep]
             n_out = n_out + gained
+
+            # the drafter may read the verifier's state after the last kept position
+            # (blockwise decoding's proposal heads: merged invocation)
+            self.drafter.observe(rows, features, gained - 1)
 
             # 4. roll back the cache to the kept block positions, retire finished rows
             blocks.rollback(state, k + 1, gained)

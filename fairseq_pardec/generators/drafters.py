@@ -43,6 +43,10 @@ class Drafter:
         """
         raise NotImplementedError
 
+    def observe(self, rows: Tensor, features: Tensor, last: Tensor):
+        """Called after each verification with the verifier's (B, L, d) features and, per row,
+        the block position of the last kept token. Most drafters ignore it."""
+
 
 class SourceVocabularyMap:
     """Maps source token ids to target ids by their string (for separate dictionaries).
@@ -142,3 +146,38 @@ class CopyDrafter(Drafter):
             self.last_match[row] = (at, n)
             drafts.append(self.sources[row][at + 1 : at + 1 + limit])
         return pad_drafts(drafts, self.pad, tokens.device)
+
+
+class HeadsDrafter(Drafter):
+    """Blockwise parallel decoding: the proposal heads p_2..p_k, read at the last kept position
+    of the previous verification (merged invocation, § 4), are the next draft.
+
+    The first iteration has no proposals yet: it verifies nothing and takes p_1's token (and
+    the heads' first proposals) from the same call.
+    """
+
+    def __init__(self, decoder, pad: int, block_size: int):
+        self.decoder, self.pad = decoder, pad
+        self.width = block_size - 1  # heads 2..block_size
+
+    def start(self, sample, encoder_out, bos: int):
+        src = sample["net_input"]["src_tokens"]
+        self.next_draft = src.new_full((src.size(0), max(self.width, 0)), self.pad)
+        self.next_len = src.new_zeros(src.size(0))
+
+    def propose(self, rows, tokens, n_out, max_len):
+        lengths = torch.minimum(self.next_len[rows], max_len)
+        width = int(lengths.max()) if lengths.numel() else 0
+        draft = self.next_draft[rows, :width]
+        cols = torch.arange(width, device=draft.device)
+        draft = draft.masked_fill(cols.unsqueeze(0) >= lengths.unsqueeze(1), self.pad)
+        return draft, lengths
+
+    def observe(self, rows, features, last):
+        if self.width <= 0:
+            return
+        at = features[torch.arange(features.size(0), device=features.device), last]
+        logits = self.decoder.head_logits(at, heads=self.width + 1)[:, 1:, :]
+        logits[..., self.pad] = float("-inf")
+        self.next_draft[rows] = logits.argmax(dim=-1)
+        self.next_len[rows] = self.width

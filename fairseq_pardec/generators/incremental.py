@@ -109,7 +109,6 @@ class BlockDecoder:
         block_pad: Tensor,
         encoder_out,
         incremental_state: IncrementalState,
-        temperature: float = 1.0,
     ) -> Tensor:
         """Decode a block of ``L`` tokens per row on top of the cache.
 
@@ -118,7 +117,7 @@ class BlockDecoder:
             start: (B,) number of tokens of each row already in the cache.
             block_pad: (B, L) True where a row's block is padding (ragged drafts).
         Returns:
-            (B, L, V) float32 log-probabilities of the next token after each block position.
+            (B, L, d) decoder features (what ``output_layer`` takes) after each block position.
         The block's keys/values are appended to the cache, padded positions masked out.
         """
         dec = self.decoder
@@ -157,7 +156,11 @@ class BlockDecoder:
         x = x.transpose(0, 1)
         if dec.project_out_dim is not None:
             x = dec.project_out_dim(x)
-        logits = dec.output_layer(x)
+        return x
+
+    def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
+        """(B, L, d) features -> (B, L, V) float32 log-probabilities, as fairseq normalises them."""
+        logits = self.decoder.output_layer(features)
         if temperature != 1.0:
             logits = logits.div_(temperature)
         return F.log_softmax(logits.float(), dim=-1)

@@ -26,6 +26,16 @@ logger = logging.getLogger(__name__)
 GENERATOR_CHOICES = ChoiceEnum(list(GENERATORS))
 
 
+def non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a number, got %r" % value)
+    if not number >= 0:
+        raise argparse.ArgumentTypeError("must be >= 0, got %s" % value)
+    return number
+
+
 def positive_int(value: str) -> int:
     try:
         number = int(value)
@@ -42,20 +52,41 @@ class TranslationPardecConfig(TranslationConfig):
         default="beam",
         metadata={
             "help": "decoding method: beam (fairseq beam search), greedy (beam 1), iad "
-            "(input-guided aggressive decoding: copy the source as a draft, lossless)"
+            "(input-guided aggressive decoding: copy the source as a draft, lossless), blockwise "
+            "(blockwise parallel decoding with a blockwise_transformer's proposal heads)"
         },
     )
     block_size: Optional[int] = field(
         default=None,
         metadata={
-            "help": "draft-and-verify generators: most draft tokens verified per iteration "
-            "(default: unbounded for iad)"
+            "help": "draft-and-verify generators: iad: most draft tokens verified per iteration "
+            "(default: unbounded); blockwise: block size k counting p_1, as in the paper "
+            "(default: the model's --proposal-heads)"
         },
+    )
+    blockwise_topk: int = field(
+        default=1,
+        metadata={"help": "blockwise: accept a proposal within the verifier's top-k (1 = exact, "
+                  "lossless; paper § 5.1)"},
+    )
+    blockwise_distance: Optional[float] = field(
+        default=None,
+        metadata={"help": "blockwise: accept a proposal within this distance of the verifier's "
+                  "token, for ordinal vocabularies (paper § 5.2)"},
+    )
+    min_block_size: int = field(
+        default=1,
+        metadata={"help": "blockwise: accept at least this many tokens per iteration (paper § 5.3)"},
     )
 
 
 # Flags whose values argparse must validate itself (the dataclass only knows their type).
-_ARG_VALIDATORS = {"--block-size": positive_int}
+_ARG_VALIDATORS = {
+    "--block-size": positive_int,
+    "--blockwise-topk": positive_int,
+    "--min-block-size": positive_int,
+    "--blockwise-distance": non_negative_float,
+}
 
 
 class _SummaryReporter:
@@ -108,6 +139,15 @@ class TranslationPardecTask(TranslationTask):
         if cfg.block_size is not None and cfg.block_size < 1:
             raise UsageError("--block-size must be >= 1 (got %d)" % cfg.block_size)
         return super().setup_task(cfg, **kwargs)
+
+    def build_model(self, cfg, from_checkpoint=False):
+        from ..models.blockwise_transformer import LOADING_CHECKPOINT
+
+        LOADING_CHECKPOINT.active = from_checkpoint
+        try:
+            return super().build_model(cfg, from_checkpoint)
+        finally:
+            LOADING_CHECKPOINT.active = False
 
     # ------------------------------------------------------------------ batching
     def get_batch_iterator(self, dataset, *args, **kwargs):

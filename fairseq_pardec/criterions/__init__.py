@@ -1,0 +1,1 @@
+from . import blockwise_cross_entropy  # noqa: F401

@@ -1,0 +1,86 @@
+"""``--criterion blockwise_cross_entropy``: label-smoothed cross-entropy of the proposal heads.
+
+Head p_i (i = 1..k) at decoder position t predicts target token t + i - 1. The paper (§ 6) trains
+on one head drawn uniformly at random per batch (an unbiased estimate of the mean over heads
+that needs one vocabulary projection instead of k); ``--head-sampling mean`` uses all k.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+    label_smoothed_nll_loss,
+)
+from fairseq.dataclass import ChoiceEnum
+from fairseq.models.transformer import TransformerDecoderBase
+
+from ..errors import UsageError
+
+
+@dataclass
+class BlockwiseCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    head_sampling: ChoiceEnum(["random", "mean"]) = field(
+        default="random",
+        metadata={"help": "train one random head per batch (paper) or the mean over all heads"},
+    )
+
+
+def shift_target(target, offset, pad):
+    """Target for a head looking ``offset`` tokens further ahead: left shift, pad at the end."""
+    if offset == 0:
+        return target
+    shifted = target.new_full(target.size(), pad)
+    shifted[:, :-offset] = target[:, offset:]
+    return shifted
+
+
+@register_criterion("blockwise_cross_entropy", dataclass=BlockwiseCrossEntropyConfig)
+class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
+    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
+                 report_accuracy=False, head_sampling="random"):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        self.head_sampling = str(head_sampling)
+
+    def forward(self, model, sample, reduce=True):
+        decoder = model.decoder
+        if not hasattr(decoder, "proposal"):
+            raise UsageError(
+                "--criterion blockwise_cross_entropy needs --arch blockwise_transformer*"
+            )
+        features, _ = model(**sample["net_input"], features_only=True)
+        k = decoder.proposal_heads
+        if self.head_sampling == "mean" or not model.training:
+            heads = list(range(k))
+        else:
+            # fairseq seeds torch per update, so every worker draws the same head.
+            heads = [int(torch.randint(k, (1,)))]
+        outputs = decoder.proposal(features, heads=max(heads) + 1)
+        target = sample["target"]
+        loss = nll_loss = 0.0
+        n_tokens = 0
+        for head in heads:
+            logits = TransformerDecoderBase.output_layer(decoder, outputs[..., head, :])
+            lprobs = torch.log_softmax(logits.float(), dim=-1)
+            head_target = shift_target(target, head, self.padding_idx)
+            head_loss, head_nll = label_smoothed_nll_loss(
+                lprobs.view(-1, lprobs.size(-1)), head_target.view(-1), self.eps,
+                ignore_index=self.padding_idx, reduce=reduce,
+            )
+            loss = loss + head_loss
+            nll_loss = nll_loss + head_nll
+            n_tokens += int(head_target.ne(self.padding_idx).sum())
+        loss, nll_loss = loss / len(heads), nll_loss / len(heads)
+        n_tokens = n_tokens / len(heads)
+        sample_size = sample["target"].size(0) if self.sentence_avg else n_tokens
+        logging_output = {
+            "loss": loss.data,
+            "nll_loss": nll_loss.data,
+            "ntokens": n_tokens,
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        return loss, sample_size, logging_output

@@ -1,0 +1,1 @@
+from . import blockwise_transformer  # noqa: F401

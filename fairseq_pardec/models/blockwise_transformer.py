@@ -1,0 +1,204 @@
+"""Blockwise parallel decoding model (Stern, Shazeer, Uszkoreit 2018, § 4 and § 6, Fig. 3).
+
+A fairseq transformer whose decoder output goes through one multi-output feed-forward layer
+(hidden size k x d_ffn, output k x d_model) with a residual connection from its input to each of
+the k outputs; the model's own output projection is applied to each output, giving p_1 ... p_k,
+where p_i predicts the token i positions ahead. ``--identity-first-head`` makes p_1 the base
+model's own distribution (footnote 1): a frozen base then decodes exactly like the baseline.
+
+fairseq sees p_1 as the model's output (``output_layer``), so stock scoring, ``--generator
+greedy`` and beam search use it; ``--generator blockwise`` also reads heads 2..k.
+"""
+
+import logging
+import os
+import threading
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fairseq import checkpoint_utils, utils
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import (
+    TransformerConfig,
+    TransformerDecoderBase,
+    TransformerModel,
+    base_architecture,
+    transformer_vaswani_wmt_en_de_big,
+)
+
+from ..errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+
+class _LoadingCheckpoint(threading.local):
+    """Set by translation_pardec's build_model while fairseq rebuilds a model from a checkpoint."""
+
+    active = False
+
+
+LOADING_CHECKPOINT = _LoadingCheckpoint()
+
+
+class ProposalLayer(nn.Module):
+    """x -> (x + FFN(x)_1, ..., x + FFN(x)_k): the combined scoring-and-proposal layer."""
+
+    def __init__(self, embed_dim, ffn_dim, heads, identity_first_head, activation_fn="relu"):
+        super().__init__()
+        self.heads = heads
+        self.identity_first_head = identity_first_head
+        learned = heads - 1 if identity_first_head else heads
+        self.embed_dim = embed_dim
+        self.learned = learned
+        if learned > 0:
+            self.fc1 = nn.Linear(embed_dim, learned * ffn_dim)
+            self.fc2 = nn.Linear(learned * ffn_dim, learned * embed_dim)
+            # Start as the identity map (residual only): heads begin as copies of p_1.
+            nn.init.zeros_(self.fc2.weight)
+            nn.init.zeros_(self.fc2.bias)
+        self.activation_fn = utils.get_activation_fn(activation_fn)
+
+    def forward(self, x, heads=None):
+        """(..., d) -> (..., n, d): outputs of the first ``heads`` heads (default: all k)."""
+        heads = self.heads if heads is None else heads
+        parts = []
+        if self.identity_first_head:
+            parts.append(x.unsqueeze(-2))
+        need = heads - len(parts)
+        if need > 0:
+            hidden = self.activation_fn(self.fc1(x))
+            # fc2 is dense over all heads' hidden units; compute only the outputs we need.
+            rows = need * self.embed_dim
+            out = F.linear(hidden, self.fc2.weight[:rows], self.fc2.bias[:rows])
+            parts.append(x.unsqueeze(-2) + out.view(x.shape[:-1] + (need, self.embed_dim)))
+        return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+
+
+class BlockwiseTransformerDecoder(TransformerDecoderBase):
+    def __init__(self, cfg, dictionary, embed_tokens, heads, identity_first_head, **kwargs):
+        super().__init__(cfg, dictionary, embed_tokens, **kwargs)
+        self.proposal = ProposalLayer(
+            self.output_embed_dim,
+            cfg.decoder.ffn_embed_dim,
+            heads,
+            identity_first_head,
+            activation_fn=cfg.activation_fn,
+        )
+
+    @property
+    def proposal_heads(self):
+        return self.proposal.heads
+
+    def output_layer(self, features):
+        """p_1 logits: what fairseq's own search and scoring see."""
+        return super().output_layer(self.proposal(features, heads=1).squeeze(-2))
+
+    def head_logits(self, features, heads=None):
+        """(..., d) features -> (..., n, V) logits of heads 1..n."""
+        return super().output_layer(self.proposal(features, heads=heads))
+
+
+@register_model("blockwise_transformer")
+class BlockwiseTransformerModel(TransformerModel):
+    """Transformer with k proposal heads (``--proposal-heads``)."""
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument("--proposal-heads", type=int, metavar="K",
+                            help="number of heads p_1..p_k (k >= 1; the next k tokens)")
+        parser.add_argument("--identity-first-head", action="store_true",
+                            help="p_1 is the base model itself (no learned transform), so a "
+                                 "frozen base keeps its exact greedy output")
+        parser.add_argument("--init-from-transformer", metavar="PATH",
+                            help="initialise every base parameter from a trained fairseq "
+                                 "transformer checkpoint (the proposal layer starts as identity)")
+        parser.add_argument("--freeze-base", action="store_true",
+                            help="train the proposal layer only (the paper's 'frozen' setting)")
+
+    @classmethod
+    def build_model(cls, args, task):
+        if getattr(args, "proposal_heads", None) is None or args.proposal_heads < 1:
+            raise UsageError("--proposal-heads must be >= 1 for --arch blockwise_transformer*")
+        model = super().build_model(args, task)
+        path = getattr(args, "init_from_transformer", None)
+        if path:
+            if LOADING_CHECKPOINT.active:
+                # The checkpoint being loaded holds every weight; the base checkpoint it was
+                # initialised from at training time need not exist here.
+                logger.info("not re-reading --init-from-transformer while loading a checkpoint")
+            else:
+                cls._init_from_transformer(model, path)
+        if getattr(args, "freeze_base", False):
+            for name, param in model.named_parameters():
+                param.requires_grad = name.startswith("decoder.proposal.")
+        return model
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        cfg = TransformerConfig.from_namespace(args)
+        return BlockwiseTransformerDecoder(
+            cfg,
+            tgt_dict,
+            embed_tokens,
+            heads=args.proposal_heads,
+            identity_first_head=getattr(args, "identity_first_head", False),
+            no_encoder_attn=cfg.no_cross_attention,
+        )
+
+    @staticmethod
+    def _init_from_transformer(model, path):
+        if not os.path.isfile(path):
+            raise UsageError("--init-from-transformer: no checkpoint file %r" % path)
+        state = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("decoder.proposal.")]
+        if missing or unexpected:
+            raise UsageError(
+                "--init-from-transformer %s does not match this architecture (missing %s, "
+                "unexpected %s): train the blockwise model with the base model's sizes"
+                % (path, missing[:3], unexpected[:3])
+            )
+        logger.info("initialised base parameters from %s", path)
+
+
+def _defaults(args, heads=8):
+    args.proposal_heads = getattr(args, "proposal_heads", heads)
+    args.identity_first_head = getattr(args, "identity_first_head", False)
+    args.freeze_base = getattr(args, "freeze_base", False)
+    args.init_from_transformer = getattr(args, "init_from_transformer", None)
+
+
+@register_model_architecture("blockwise_transformer", "blockwise_transformer")
+def blockwise_transformer(args):
+    _defaults(args)
+    base_architecture(args)
+
+
+@register_model_architecture("blockwise_transformer", "blockwise_transformer_base")
+def blockwise_transformer_base(args):
+    blockwise_transformer(args)
+
+
+@register_model_architecture("blockwise_transformer", "blockwise_transformer_big")
+def blockwise_transformer_big(args):
+    _defaults(args)
+    transformer_vaswani_wmt_en_de_big(args)
+
+
+@register_model_architecture("blockwise_transformer", "blockwise_transformer_tiny")
+def blockwise_transformer_tiny(args):
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 64)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 128)
+    args.encoder_layers = getattr(args, "encoder_layers", 2)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 2)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 64)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 128)
+    args.decoder_layers = getattr(args, "decoder_layers", 2)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 2)
+    blockwise_transformer(args)
+
+
+__all__ = ["BlockwiseTransformerModel", "BlockwiseTransformerDecoder", "ProposalLayer"]

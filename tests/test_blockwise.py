@@ -1,0 +1,176 @@
+"""Blockwise parallel decoding: model, criterion, generator, acceptance rules."""
+
+import argparse
+
+import pytest
+import torch
+
+from fairseq_pardec.criterions.blockwise_cross_entropy import BlockwiseCrossEntropyCriterion
+from fairseq_pardec.generators import GENERATORS
+from fairseq_pardec.generators.acceptance import (
+    DistanceAcceptance,
+    ExactAcceptance,
+    MinimumBlock,
+    TopKAcceptance,
+)
+from fairseq_pardec.models.blockwise_transformer import BlockwiseTransformerModel
+
+from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_args
+
+
+def blockwise_model(task, heads=4, identity=True, seed=0, base=None, **overrides):
+    torch.manual_seed(seed)
+    args = tiny_args(**overrides)
+    args.proposal_heads, args.identity_first_head = heads, identity
+    args.freeze_base, args.init_from_transformer = False, None
+    model = BlockwiseTransformerModel.build_model(args, task)
+    if base is not None:
+        missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith("decoder.proposal.") for k in missing)
+    model.eval()
+    return model
+
+
+def blockwise_generator(task, model, **cfg):
+    for key, value in dict(dict(block_size=None, blockwise_topk=1, blockwise_distance=None,
+                                min_block_size=1), **cfg).items():
+        setattr(task.cfg, key, value)
+    args = argparse.Namespace(beam=1, max_len_a=1.0, max_len_b=10, min_len=1, lenpen=1.0,
+                              unkpen=0.0, temperature=1.0)
+    return GENERATORS["blockwise"](task, [model], args)
+
+
+@pytest.fixture(scope="module")
+def trained_heads(copy_model):
+    """A blockwise model (identity p_1) initialised from the near-copy model and fine-tuned."""
+    base, d, make_sample = copy_model
+    task = make_task(d)
+    model = blockwise_model(task, heads=4, base=base, encoder_layers=1, decoder_layers=2)
+    criterion = BlockwiseCrossEntropyCriterion(task, False, 0.0, head_sampling="mean")
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    model.train()
+    for step in range(250):
+        sample = make_sample(32, seed=1000 + step)
+        loss, _, _ = criterion(model, sample)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return base, model, task, make_sample
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+def test_identity_p1_exact_equals_base_greedy(trained_heads, batch_size):
+    _, model, task, make_sample = trained_heads
+    sample = make_sample(batch_size, seed=batch_size)
+    # the base model is the blockwise model's p_1 (identity head): fairseq greedy of it
+    expected = fairseq_greedy(model, task.target_dictionary, sample, max_len_a=1.0, max_len_b=10)
+    generator = blockwise_generator(task, model)
+    got = generator.generate([model], sample)
+    assert by_id(sample, expected) == by_id(sample, got)
+    assert generator.stats.tokens_per_iteration > 1.3  # the heads propose useful tokens
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+def test_random_heads_are_still_lossless(batch_size):
+    d = make_dictionary(40)
+    task = make_task(d)
+    model = blockwise_model(task, heads=5, seed=batch_size)
+    torch.nn.init.normal_(model.decoder.proposal.fc2.weight, std=0.5)  # proposals: noise
+    sample = random_batch(d, [1 + (i * 11) % 30 for i in range(batch_size)], seed=batch_size)
+    expected = fairseq_greedy(model, d, sample, max_len_a=1.0, max_len_b=10)
+    got = blockwise_generator(task, model).generate([model], sample)
+    assert by_id(sample, expected) == by_id(sample, got)
+
+
+def test_merged_invocation_one_model_call_per_iteration(trained_heads):
+    _, model, task, make_sample = trained_heads
+    calls = []
+    handle = model.decoder.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        for seed in range(5):
+            generator = blockwise_generator(task, model)
+            generator.generate([model], make_sample(1, seed=seed))
+            stats = generator.stats
+            # batch 1: model calls = iterations; the first one (empty draft, as the paper's
+            # initial prediction call) also yields p_1's first token, then one call per verify
+            assert len(calls) == stats.decoder_calls == stats.row_iterations
+            calls.clear()
+    finally:
+        handle.remove()
+
+
+def test_p1_is_fairseq_output_and_heads_shift_targets(trained_heads):
+    _, model, task, make_sample = trained_heads
+    sample = make_sample(4, seed=3)
+    with torch.no_grad():
+        features, _ = model(**sample["net_input"], features_only=True)
+        heads = model.decoder.head_logits(features)
+        out, _ = model(**sample["net_input"])
+    assert heads.shape[-2] == 4
+    assert torch.allclose(heads[..., 0, :], out, atol=1e-5)
+
+
+def crafted(lp_rows, draft):
+    lprobs = torch.log_softmax(torch.tensor(lp_rows, dtype=torch.float), -1).unsqueeze(0)
+    draft = torch.tensor([draft])
+    return draft, torch.ones_like(draft, dtype=torch.bool), lprobs, lprobs.argmax(-1)
+
+
+def test_topk_rule():
+    # position 0: draft token 2 is 2nd best; position 1: token 0 is 3rd best
+    draft, valid, lprobs, verifier = crafted([[3.0, 1.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0]], [2, 0])
+    assert ExactAcceptance().accept(draft, valid, lprobs, verifier).tolist() == [0]
+    assert TopKAcceptance(1).accept(draft, valid, lprobs, verifier).tolist() == [0]
+    assert TopKAcceptance(2).accept(draft, valid, lprobs, verifier).tolist() == [1]
+    assert TopKAcceptance(3).accept(draft, valid, lprobs, verifier).tolist() == [2]
+    assert TopKAcceptance(3).accept(draft, torch.tensor([[True, False]]), lprobs, verifier).tolist() == [1]
+
+
+def ordinal_dictionary(n=10):
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    for i in range(n):
+        d.add_symbol(str(i))
+    return d
+
+
+def test_distance_rule_and_refusal():
+    d = ordinal_dictionary()
+    v = lambda s: d.index(s)  # noqa: E731
+    size = len(d)
+    rows = []
+    for best in ("5", "5", "5"):
+        row = [0.0] * size
+        row[v(best)] = 5.0
+        rows.append(row)
+    draft, valid, lprobs, verifier = crafted(rows, [v("6"), v("3"), v("5")])
+    assert DistanceAcceptance(d, 1).accept(draft, valid, lprobs, verifier).tolist() == [1]
+    assert DistanceAcceptance(d, 2).accept(draft, valid, lprobs, verifier).tolist() == [3]
+    assert DistanceAcceptance(d, 0).accept(draft, valid, lprobs, verifier).tolist() == [0]
+    with pytest.raises(ValueError, match="ordinal vocabulary"):
+        DistanceAcceptance(make_dictionary(5), 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        DistanceAcceptance(d, -1)
+
+
+def test_min_block_rule():
+    draft, valid, lprobs, verifier = crafted([[3.0, 1.0, 2.0], [1.0, 3.0, 2.0], [0, 0, 1.0]], [2, 2, 2])
+    assert ExactAcceptance().accept(draft, valid, lprobs, verifier).tolist() == [0]
+    assert MinimumBlock(ExactAcceptance(), 3).accept(draft, valid, lprobs, verifier).tolist() == [2]
+    short = torch.tensor([[True, False, False]])
+    assert MinimumBlock(ExactAcceptance(), 3).accept(draft, short, lprobs, verifier).tolist() == [1]
+    assert MinimumBlock(ExactAcceptance(), 1).lossless
+
+
+def test_bad_configurations(trained_heads, copy_model):
+    base, model, task, _ = trained_heads
+    with pytest.raises(ValueError, match="no(ne)?|proposal heads"):
+        blockwise_generator(task, base)
+    with pytest.raises(ValueError, match="larger than the model's --proposal-heads 4"):
+        blockwise_generator(task, model, block_size=5)
+    with pytest.raises(ValueError, match="--min-block-size 4 is larger than the block size 3"):
+        blockwise_generator(task, model, block_size=3, min_block_size=4)
+    with pytest.raises(ValueError, match="ordinal"):
+        blockwise_generator(task, model, blockwise_distance=1.0)
