@@ -6,6 +6,8 @@
 #                training on the CPU (fairseq --stop-time-hours); ~3,200 target tokens/s on 2 cores
 #   PRESET=gpu   transformer_base (Vaswani et al. 2017), fp16, up to 100k updates
 #   PRESET=tiny  d128, 2+2 layers, for the demo (MAX_MINUTES default 8)
+#   ARCH=NAME    another architecture of the same sizes (e.g. blockwise_transformer); later
+#                arguments override earlier ones (argparse), so recipes can swap the criterion
 # Extra arguments after TGT go to fairseq-train unchanged. Resumes from SAVE_DIR/checkpoint_last.pt.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,21 +23,21 @@ common=(--user-dir "$HERE/fairseq_pardec" --task translation_pardec -s "$SRC" -t
 hours() { python3 -c "print(round($1/60, 4))"; }
 case "$PRESET" in
   tiny)
-    fairseq-train "$DATA" "${common[@]}" --arch transformer \
+    fairseq-train "$DATA" "${common[@]}" --arch "${ARCH:-transformer}" \
       --encoder-layers 2 --decoder-layers 2 --encoder-embed-dim 128 --decoder-embed-dim 128 \
       --encoder-ffn-embed-dim 512 --decoder-ffn-embed-dim 512 \
       --encoder-attention-heads 4 --decoder-attention-heads 4 \
       --dropout 0.1 --lr 2e-3 --warmup-updates 300 --max-tokens 4096 --max-epoch 200 \
       --stop-time-hours "$(hours "${MAX_MINUTES:-8}")" --num-workers 0 --cpu "$@" ;;
   cpu)
-    fairseq-train "$DATA" "${common[@]}" --arch transformer \
+    fairseq-train "$DATA" "${common[@]}" --arch "${ARCH:-transformer}" \
       --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 --decoder-embed-dim 256 \
       --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024 \
       --encoder-attention-heads 4 --decoder-attention-heads 4 \
       --dropout 0.1 --lr 1e-3 --warmup-updates 300 --max-tokens 4096 --max-epoch 100 \
       --stop-time-hours "$(hours "${MAX_MINUTES:-20}")" --num-workers 0 --cpu "$@" ;;
   gpu)
-    fairseq-train "$DATA" "${common[@]}" --arch transformer \
+    fairseq-train "$DATA" "${common[@]}" --arch "${ARCH:-transformer}" \
       --dropout 0.3 --lr 7e-4 --warmup-updates 4000 --max-tokens 8192 --max-update 100000 \
       --patience 10 --fp16 "$@" ;;
   *) echo "train-transformer.sh: error: PRESET must be tiny, cpu or gpu (got $PRESET)" >&2; exit 1 ;;

@@ -204,3 +204,58 @@ def test_safe_loading_allowlist_is_what_makes_checkpoints_load(stock_checkpoint)
                           capture_output=True, text=True, cwd=ROOT)
     assert "plain: refused" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert "plugin: loaded" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="session")
+def blockwise_checkpoint(cli_data, stock_checkpoint):
+    """Proposal heads trained with the stock fairseq-train on top of the stock checkpoint."""
+    root, data = cli_data
+    save = root / "ckpt-blockwise"
+    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec", *TINY,
+        "--arch", "blockwise_transformer", "--proposal-heads", 3, "--identity-first-head",
+        "--freeze-base", "--init-from-transformer", stock_checkpoint / "checkpoint_last.pt",
+        "--criterion", "blockwise_cross_entropy", "--max-update", 6, "--save-dir", save,
+        "--no-epoch-checkpoints")
+    return save / "checkpoint_last.pt"
+
+
+def test_blockwise_cli_frozen_identity_equals_base_greedy(cli_data, stock_checkpoint, blockwise_checkpoint):
+    _, data = cli_data
+    base = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "greedy",
+                    "--batch-size", 8)
+    blockwise = generate(data, blockwise_checkpoint, "--generator", "blockwise", "--batch-size", 8)
+    assert hypotheses(blockwise.stdout) == hypotheses(base.stdout)
+    assert len(hypotheses(blockwise.stdout)) == N_TEST
+    assert "pardec generator=blockwise" in blockwise.stderr
+    # a smaller block at generate time, top-k acceptance: runs, decodes everything
+    relaxed = generate(data, blockwise_checkpoint, "--generator", "blockwise", "--block-size", 2,
+                       "--blockwise-topk", 2, "--batch-size", 8)
+    assert len(hypotheses(relaxed.stdout)) == N_TEST
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--block-size", 4], "larger than the model's --proposal-heads 3"),
+    (["--min-block-size", 4], "--min-block-size 4 is larger than the block size 3"),
+    (["--blockwise-distance", -1], "--blockwise-distance"),
+    (["--blockwise-distance", 1], "ordinal vocabulary"),
+])
+def test_blockwise_bad_input(cli_data, blockwise_checkpoint, flags, needle):
+    _, data = cli_data
+    proc = generate(data, blockwise_checkpoint, "--generator", "blockwise", *flags, check=False)
+    assert_clean_error(proc, needle)
+
+
+def test_blockwise_generator_needs_proposal_heads(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "blockwise",
+                    check=False)
+    assert_clean_error(proc, "proposal heads", "blockwise_transformer")
+
+
+def test_plugin_checkpoint_without_user_dir_fails_as_documented(cli_data, blockwise_checkpoint):
+    """The README documents fairseq's (misleading) error for a plugin arch without --user-dir."""
+    _, data = cli_data
+    proc = run("fairseq_cli.generate", data, "--path", blockwise_checkpoint, "--gen-subset",
+               "test", check=False)
+    assert proc.returncode != 0
+    assert re.search(r"IndexError|KeyError|blockwise_transformer", proc.stderr)

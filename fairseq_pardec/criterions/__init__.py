@@ -1,1 +1,1 @@
-from . import blockwise_cross_entropy  # noqa: F401
+from . import blockwise_cross_entropy, glat_loss  # noqa: F401

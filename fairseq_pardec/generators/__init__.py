@@ -10,10 +10,11 @@ from .acceptance import (
     DistanceAcceptance,
     ExactAcceptance,
     MinimumBlock,
+    TopBetaTauAcceptance,
     TopKAcceptance,
 )
 from .draft_verify import DraftVerifyGenerator, build_draft_verify
-from .drafters import CopyDrafter, Drafter, HeadsDrafter
+from .drafters import CopyDrafter, Drafter, HeadsDrafter, NARDrafter
 from .fairseq_search import CountingSequenceGenerator, build_beam, build_greedy
 from .stats import DecodeStats
 
@@ -60,6 +61,23 @@ def build_blockwise(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     return build_draft_verify(task, models, args, drafter, rule, "blockwise")
 
 
+def build_gad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
+    """Generalized aggressive decoding: GLAT block drafter, AR verifier (GAD / GAD++)."""
+    from .drafter_loading import load_drafter
+
+    _refuse_lm(extra_gen_cls_kwargs, "gad")
+    cfg = task.cfg
+    rule = TopBetaTauAcceptance(cfg.gad_beta, cfg.gad_tau)
+    if len(models) != 1:
+        raise ValueError("--generator gad verifies with one model; give one checkpoint to --path")
+    drafter = load_drafter(task, cfg.drafter_path, models[0])
+    block = cfg.block_size or drafter.block_size
+    dictionary = task.target_dictionary
+    return build_draft_verify(
+        task, models, args, NARDrafter(drafter, block, dictionary.eos(), dictionary.pad()), rule, "gad"
+    )
+
+
 def _refuse_lm(extra_gen_cls_kwargs, name):
     if extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None:
         raise ValueError("--generator %s does not support --lm-path; use --generator beam" % name)
@@ -70,6 +88,7 @@ GENERATORS = {
     "greedy": build_greedy,
     "iad": build_iad,
     "blockwise": build_blockwise,
+    "gad": build_gad,
 }
 
 __all__ = [

@@ -118,3 +118,28 @@ class MinimumBlock(AcceptanceRule):
         accepted = self.rule.accept(draft, draft_valid, lprobs, verifier_tokens)
         floor = torch.clamp(draft_valid.long().sum(dim=1), max=self.min_block - 1)
         return torch.maximum(accepted, floor)
+
+
+class TopBetaTauAcceptance(AcceptanceRule):
+    """GAD++ (Xia et al., Eq. 6-7 of the GAD paper): accept a draft token that is within the
+    verifier's top-beta *and* whose log-probability is at most tau below the top-1's.
+
+    beta = 1 and tau = 0 is exact verification (lossless).
+    """
+
+    def __init__(self, beta: int, tau: float):
+        if beta < 1:
+            raise ValueError("--gad-beta must be >= 1 (got %d)" % beta)
+        if tau < 0:
+            raise ValueError("--gad-tau must be >= 0 (got %g)" % tau)
+        self.beta, self.tau = beta, tau
+        self.lossless = beta == 1 and tau == 0
+
+    def token_ok(self, draft, lprobs, verifier_tokens):
+        if self.lossless:
+            return draft.eq(verifier_tokens)
+        draft_lp = lprobs.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+        top = lprobs.topk(self.beta, dim=-1).values
+        within_beta = draft_lp >= top[..., -1]  # Eq. 6
+        within_tau = top[..., 0] - draft_lp <= self.tau  # Eq. 7
+        return within_beta & within_tau & torch.isfinite(draft_lp)

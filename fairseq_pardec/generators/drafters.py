@@ -181,3 +181,36 @@ class HeadsDrafter(Drafter):
         logits[..., self.pad] = float("-inf")
         self.next_draft[rows] = logits.argmax(dim=-1)
         self.next_len[rows] = self.width
+
+
+class NARDrafter(Drafter):
+    """GAD: a non-autoregressive block drafter (``glat_drafter``) predicts the next k tokens
+    from [BOS, accepted prefix, MASK x k]; its encoder runs once per batch.
+
+    The prefix is re-read every iteration (its decoder is bidirectional, so nothing can be
+    cached); a draft stops after its first EOS.
+    """
+
+    def __init__(self, model, block_size: int, eos: int, pad: int):
+        self.model, self.k, self.eos, self.pad = model, block_size, eos, pad
+
+    def start(self, sample, encoder_out, bos: int):
+        net = sample["net_input"]
+        self.encoder_out = self.model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
+        self.rows = None
+        self.active_encoder_out = self.encoder_out
+
+    def propose(self, rows, tokens, n_out, max_len):
+        if self.rows is None or not torch.equal(rows, self.rows):
+            self.active_encoder_out = self.model.encoder.reorder_encoder_out(self.encoder_out, rows)
+            self.rows = rows
+        inputs, slots = self.model.draft_inputs(tokens, n_out, self.k)
+        logits = self.model.decode(inputs, self.active_encoder_out)[0]
+        logits = logits.gather(1, slots.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
+        logits[..., self.pad] = float("-inf")
+        draft = logits.argmax(dim=-1)
+        cols = torch.arange(self.k, device=draft.device).unsqueeze(0)
+        first_eos = torch.where(draft.eq(self.eos), cols, self.k).min(dim=1).values
+        lengths = torch.minimum(torch.clamp(first_eos + 1, max=self.k), max_len)
+        draft = draft.masked_fill(cols >= lengths.unsqueeze(1), self.pad)
+        return draft, lengths

@@ -53,7 +53,8 @@ class TranslationPardecConfig(TranslationConfig):
         metadata={
             "help": "decoding method: beam (fairseq beam search), greedy (beam 1), iad "
             "(input-guided aggressive decoding: copy the source as a draft, lossless), blockwise "
-            "(blockwise parallel decoding with a blockwise_transformer's proposal heads)"
+            "(blockwise parallel decoding with a blockwise_transformer's proposal heads), gad "
+            "(generalized aggressive decoding with a glat_drafter, --drafter-path)"
         },
     )
     block_size: Optional[int] = field(
@@ -74,6 +75,20 @@ class TranslationPardecConfig(TranslationConfig):
         metadata={"help": "blockwise: accept a proposal within this distance of the verifier's "
                   "token, for ordinal vocabularies (paper § 5.2)"},
     )
+    drafter_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "gad: checkpoint of the glat_drafter (the verifier is --path)"},
+    )
+    gad_beta: int = field(
+        default=1,
+        metadata={"help": "gad: GAD++ accepts a draft token within the verifier's top-beta "
+                  "(1 with --gad-tau 0 = lossless GAD)"},
+    )
+    gad_tau: float = field(
+        default=0.0,
+        metadata={"help": "gad: GAD++ tolerance: the draft token's log-probability may be at most "
+                  "tau below the top-1's"},
+    )
     min_block_size: int = field(
         default=1,
         metadata={"help": "blockwise: accept at least this many tokens per iteration (paper § 5.3)"},
@@ -86,6 +101,8 @@ _ARG_VALIDATORS = {
     "--blockwise-topk": positive_int,
     "--min-block-size": positive_int,
     "--blockwise-distance": non_negative_float,
+    "--gad-beta": positive_int,
+    "--gad-tau": non_negative_float,
 }
 
 
@@ -148,6 +165,11 @@ class TranslationPardecTask(TranslationTask):
             return super().build_model(cfg, from_checkpoint)
         finally:
             LOADING_CHECKPOINT.active = False
+
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        if hasattr(criterion, "set_update_num"):  # glat_loss anneals its glancing ratio
+            criterion.set_update_num(update_num)
+        return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
 
     # ------------------------------------------------------------------ batching
     def get_batch_iterator(self, dataset, *args, **kwargs):

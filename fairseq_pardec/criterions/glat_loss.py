@@ -1,0 +1,126 @@
+"""``--criterion glat_loss``: training GAD's block drafter with random prefixes and glancing.
+
+Per target y (EOS included) a prefix length p is drawn uniformly from 0..|y|-1; the decoder input
+is [BOS, y_1..y_p, MASK x k] and the labels are y_{p+1..p+k} (padding past the end). Glancing
+(GLAT, Qian et al. 2021): a first pass without gradients predicts the k slots; for each row,
+ratio x (number of wrong slots) randomly chosen slots get their gold token as input, and the loss
+is taken on the other slots. The ratio anneals linearly from ``--glat-ratio-start`` to
+``--glat-ratio-end`` over ``--glat-anneal-updates`` updates. All of it is batched tensor code.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fairseq.criterions import FairseqCriterion, register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+from fairseq.dataclass import FairseqDataclass
+from fairseq.logging import metrics
+
+from ..errors import UsageError
+
+
+@dataclass
+class GlatLossConfig(FairseqDataclass):
+    label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing epsilon"})
+    glat_ratio_start: float = field(default=0.5, metadata={"help": "glancing ratio at update 0"})
+    glat_ratio_end: float = field(default=0.3, metadata={"help": "glancing ratio after annealing"})
+    glat_anneal_updates: int = field(
+        default=100000, metadata={"help": "updates over which the glancing ratio anneals"}
+    )
+
+
+def glancing_ratio(update, start, end, anneal_updates):
+    if anneal_updates <= 0:
+        return end
+    frac = min(max(update, 0) / anneal_updates, 1.0)
+    return start + (end - start) * frac
+
+
+def sample_blocks(target, pad, bos, k, generator=None):
+    """Random prefix per row -> (prefixes with BOS (B, T+1), prefix lengths (B,), labels (B, k))."""
+    bsz = target.size(0)
+    lengths = target.ne(pad).sum(1)
+    p = (torch.rand(bsz, generator=generator, device="cpu").to(target.device) * lengths).long()
+    p = torch.minimum(p, lengths - 1)
+    prefixes = torch.cat([target.new_full((bsz, 1), bos), target], 1)
+    padded = torch.cat([target, target.new_full((bsz, k), pad)], 1)
+    idx = p.unsqueeze(1) + torch.arange(k, device=target.device)
+    labels = padded.gather(1, idx)
+    return prefixes, p, labels
+
+
+@register_criterion("glat_loss", dataclass=GlatLossConfig)
+class GlatLoss(FairseqCriterion):
+    def __init__(self, task, label_smoothing, glat_ratio_start, glat_ratio_end, glat_anneal_updates):
+        super().__init__(task)
+        self.eps = label_smoothing
+        self.ratio_start, self.ratio_end = glat_ratio_start, glat_ratio_end
+        self.anneal_updates = glat_anneal_updates
+        self.update_num = 0
+        self.bos = task.target_dictionary.eos()  # fairseq decoders start from EOS
+
+    def set_update_num(self, update_num):
+        self.update_num = update_num
+
+    def current_ratio(self):
+        return glancing_ratio(self.update_num, self.ratio_start, self.ratio_end, self.anneal_updates)
+
+    def forward(self, model, sample, reduce=True):
+        if not hasattr(model, "draft_inputs"):
+            raise UsageError("--criterion glat_loss needs --arch glat_drafter*")
+        k = model.block_size
+        target = sample["target"]
+        prefixes, p, labels = sample_blocks(target, self.padding_idx, self.bos, k)
+        tokens, slots = model.draft_inputs(prefixes, p, k)
+        net = sample["net_input"]
+        encoder_out = model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
+        real = labels.ne(self.padding_idx)
+        ratio = self.current_ratio() if model.training else 0.0
+        glanced = torch.zeros_like(real)
+        if ratio > 0:
+            with torch.no_grad():
+                logits = model.decode(tokens, encoder_out)[0]
+                pred = logits.gather(1, slots.unsqueeze(-1).expand(-1, -1, logits.size(-1))).argmax(-1)
+            wrong = (pred.ne(labels) & real).sum(1)
+            n_glance = (wrong.float() * ratio).long()
+            # n_glance random real slots per row: rank random scores, padding slots last
+            scores = torch.rand(labels.shape, device=labels.device).masked_fill(~real, 2.0)
+            rank = scores.argsort(1).argsort(1)
+            glanced = rank < n_glance.unsqueeze(1)
+            slot_tokens = tokens.gather(1, slots)
+            tokens = tokens.scatter(1, slots, torch.where(glanced, labels, slot_tokens))
+        logits = model.decode(tokens, encoder_out)[0]
+        logits = logits.gather(1, slots.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
+        lprobs = torch.log_softmax(logits.float(), dim=-1)
+        use = real & ~glanced
+        loss, nll_loss = label_smoothed_nll_loss(
+            lprobs[use], labels[use], self.eps, ignore_index=None, reduce=reduce
+        )
+        sample_size = int(use.sum())
+        logging_output = {
+            "loss": loss.data,
+            "nll_loss": nll_loss.data,
+            "ntokens": sample_size,
+            "nsentences": target.size(0),
+            "sample_size": sample_size,
+            "glat_ratio": ratio,
+        }
+        return loss, sample_size, logging_output
+
+    @staticmethod
+    def reduce_metrics(logging_outputs):
+        import math
+
+        loss = sum(log.get("loss", 0) for log in logging_outputs)
+        nll = sum(log.get("nll_loss", 0) for log in logging_outputs)
+        size = sum(log.get("sample_size", 0) for log in logging_outputs)
+        metrics.log_scalar("loss", loss / max(size, 1) / math.log(2), size, round=3)
+        metrics.log_scalar("nll_loss", nll / max(size, 1) / math.log(2), size, round=3)
+        metrics.log_derived("ppl", lambda m: 2 ** m["nll_loss"].avg)
+        if logging_outputs:
+            metrics.log_scalar("glat_ratio", logging_outputs[0].get("glat_ratio", 0), round=3)
+
+    @staticmethod
+    def logging_outputs_can_be_summed():
+        return False

@@ -1,0 +1,53 @@
+"""Loading GAD's drafter checkpoint next to the verifier, with clear errors before decoding.
+
+fairseq-generate moves only the ``--path`` models to the GPU and applies ``--fp16`` to them; the
+drafter follows the verifier here (same device, same dtype) and is put in eval mode.
+"""
+
+import os
+
+from fairseq import checkpoint_utils
+
+
+def _arch(state):
+    cfg = state.get("cfg")
+    if cfg is not None and cfg.get("model") is not None:
+        model_cfg = cfg["model"]
+        name = model_cfg.get("_name") if hasattr(model_cfg, "get") else None
+        arch = model_cfg.get("arch") if hasattr(model_cfg, "get") else None
+        return arch or name or getattr(model_cfg, "arch", None)
+    args = state.get("args")
+    return getattr(args, "arch", None)
+
+
+def load_drafter(task, path, verifier):
+    if not path:
+        raise ValueError("--generator gad needs the drafter checkpoint: add --drafter-path D.pt")
+    if not os.path.isfile(path):
+        raise ValueError("--drafter-path %s: no such file" % path)
+    state = checkpoint_utils.load_checkpoint_to_cpu(path)
+    arch = _arch(state) or "unknown"
+    if not str(arch).startswith("glat_drafter"):
+        raise ValueError(
+            "--drafter-path %s is a %s checkpoint, not a glat_drafter (train one with "
+            "--arch glat_drafter_base --criterion glat_loss)" % (path, arch)
+        )
+    weights = state["model"]
+    for side, key, dictionary in (
+        ("source", "encoder.embed_tokens.weight", task.source_dictionary),
+        ("target", "decoder.embed_tokens.weight", task.target_dictionary),
+    ):
+        rows = weights[key].size(0) if key in weights else None
+        if rows is not None and rows != len(dictionary):
+            raise ValueError(
+                "drafter and verifier dictionaries differ: the drafter's %s embeddings have %d "
+                "types, this data's %s dictionary has %d; train the drafter on data binarized "
+                "with the verifier's dictionary (fairseq-preprocess --srcdict/--tgtdict)"
+                % (side, rows, side, len(dictionary))
+            )
+    models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
+    drafter = models[0]
+    reference = next(verifier.parameters())
+    drafter.to(device=reference.device, dtype=reference.dtype)
+    drafter.eval()
+    return drafter
