@@ -31,6 +31,8 @@ logger = logging.getLogger("fairseq_pardec.benchmark")
 def parse_spec(spec):
     """``name`` or ``name:key=value,key=value`` -> (label, name, {key: value}).
 
+    ``label=TEXT`` names the row in the report (default: the name and its options).
+
     Keys are fairseq generation options (beam, lenpen, max_len_a, ...) or task options of
     translation_pardec (block_size, ...); values are parsed as Python literals when possible.
     """
@@ -48,11 +50,13 @@ def parse_spec(spec):
             options[key.replace("-", "_")] = value
     if name == "beam" and "beam" not in options:
         options["beam"] = 5
-    label = name if name != "beam" else "beam%d" % options["beam"]
-    extra = {k: v for k, v in options.items() if k != "beam" or name != "beam"}
-    if extra:
-        label += "(" + ",".join("%s=%s" % kv for kv in sorted(extra.items())) + ")"
-    return label, name, options
+    label = options.pop("label", None)
+    if label is None:
+        label = name if name != "beam" else "beam%d" % options["beam"]
+        extra = {k: v for k, v in options.items() if k != "beam" or name != "beam"}
+        if extra:
+            label += "(" + ",".join("%s=%s" % kv for kv in sorted(extra.items())) + ")"
+    return str(label), name, options
 
 
 def generation_args(options, defaults):

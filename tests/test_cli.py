@@ -21,6 +21,12 @@ TINY = (
 ).split()
 
 
+def with_arch(arch):
+    args = list(TINY)
+    args[args.index("--arch") + 1] = arch
+    return args
+
+
 def run(module, *args, input_text=None, check=True):
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
@@ -211,8 +217,8 @@ def blockwise_checkpoint(cli_data, stock_checkpoint):
     """Proposal heads trained with the stock fairseq-train on top of the stock checkpoint."""
     root, data = cli_data
     save = root / "ckpt-blockwise"
-    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec", *TINY,
-        "--arch", "blockwise_transformer", "--proposal-heads", 3, "--identity-first-head",
+    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
+        *with_arch("blockwise_transformer"), "--proposal-heads", 3, "--identity-first-head",
         "--freeze-base", "--init-from-transformer", stock_checkpoint / "checkpoint_last.pt",
         "--criterion", "blockwise_cross_entropy", "--max-update", 6, "--save-dir", save,
         "--no-epoch-checkpoints")
@@ -259,3 +265,66 @@ def test_plugin_checkpoint_without_user_dir_fails_as_documented(cli_data, blockw
                "test", check=False)
     assert proc.returncode != 0
     assert re.search(r"IndexError|KeyError|blockwise_transformer", proc.stderr)
+
+
+@pytest.fixture(scope="session")
+def drafter_checkpoint(cli_data, stock_checkpoint):
+    """A tiny GLAT drafter trained with the stock fairseq-train, encoder from the verifier."""
+    root, data = cli_data
+    save = root / "ckpt-drafter"
+    tiny = with_arch("glat_drafter")
+    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec", *tiny,
+        "--drafter-block-size", 4, "--criterion", "glat_loss", "--glat-anneal-updates", 10,
+        "--init-from-verifier", stock_checkpoint / "checkpoint_last.pt",
+        "--max-update", 6, "--save-dir", save, "--no-epoch-checkpoints")
+    return save / "checkpoint_last.pt"
+
+
+def test_gad_cli_equals_greedy(cli_data, stock_checkpoint, drafter_checkpoint):
+    _, data = cli_data
+    verifier = stock_checkpoint / "checkpoint_last.pt"
+    greedy = generate(data, verifier, "--generator", "greedy", "--batch-size", 8)
+    gad = generate(data, verifier, "--generator", "gad", "--drafter-path", drafter_checkpoint,
+                   "--block-size", 4, "--batch-size", 8)
+    assert hypotheses(gad.stdout) == hypotheses(greedy.stdout)
+    assert "pardec generator=gad" in gad.stderr
+    plus = generate(data, verifier, "--generator", "gad", "--drafter-path", drafter_checkpoint,
+                    "--gad-beta", 3, "--gad-tau", 1.0, "--batch-size", 8)
+    assert len(hypotheses(plus.stdout)) == N_TEST
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ([], "--drafter-path"),
+    (["--drafter-path", "/no/such/drafter.pt"], "no such file"),
+    (["--drafter-path", "VERIFIER"], "not a glat_drafter"),
+    (["--drafter-path", "DRAFTER", "--gad-beta", 0], "--gad-beta"),
+    (["--drafter-path", "DRAFTER", "--gad-tau", -1], "--gad-tau"),
+    (["--drafter-path", "DRAFTER", "--block-size", 0], "--block-size"),
+])
+def test_gad_bad_input(cli_data, stock_checkpoint, drafter_checkpoint, flags, needle):
+    _, data = cli_data
+    verifier = stock_checkpoint / "checkpoint_last.pt"
+    swap = {"VERIFIER": verifier, "DRAFTER": drafter_checkpoint}
+    flags = [swap.get(f, f) if isinstance(f, str) else f for f in flags]
+    proc = generate(data, verifier, "--generator", "gad", *flags, check=False)
+    assert_clean_error(proc, needle)
+
+
+def test_gad_dictionary_mismatch(cli_data, stock_checkpoint, tmp_path):
+    """A drafter trained on another dictionary is refused, naming both sizes."""
+    root, data = cli_data
+    other = tmp_path / "other"
+    run("fairseq_cli.preprocess", "--source-lang", "src", "--target-lang", "tgt",
+        "--trainpref", root / "raw" / "train", "--destdir", other, "--joined-dictionary",
+        "--nwordssrc", 300, "--workers", 1)
+    for split in ("valid", "test"):
+        for f in os.listdir(data):
+            if f.startswith(split):
+                os.symlink(data / f, other / f)
+    tiny = with_arch("glat_drafter")
+    run("fairseq_cli.train", other, "--user-dir", PLUGIN, "--task", "translation_pardec", *tiny,
+        "--drafter-block-size", 4, "--criterion", "glat_loss", "--max-update", 1,
+        "--save-dir", tmp_path / "d", "--no-epoch-checkpoints", "--disable-validation")
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "gad",
+                    "--drafter-path", tmp_path / "d" / "checkpoint_last.pt", check=False)
+    assert_clean_error(proc, "dictionaries differ")
