@@ -11,7 +11,8 @@ import sys
 from .errors import UsageError
 
 TASK_FLAGS = ("--generator", "--block-size", "--blockwise-topk", "--blockwise-distance",
-              "--min-block-size", "--drafter-path", "--gad-beta", "--gad-tau")
+              "--min-block-size", "--drafter-path", "--gad-beta", "--gad-tau",
+              "--interleaved-candidates")
 CLIS = ("fairseq-generate", "fairseq-interactive", "fairseq-train", "fairseq-validate")
 MODULES = ("generate.py", "interactive.py", "train.py", "validate.py")  # python -m fairseq_cli.X
 

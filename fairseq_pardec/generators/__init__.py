@@ -16,6 +16,7 @@ from .acceptance import (
 from .draft_verify import DraftVerifyGenerator, build_draft_verify
 from .drafters import CopyDrafter, Drafter, HeadsDrafter, NARDrafter
 from .fairseq_search import CountingSequenceGenerator, build_beam, build_greedy
+from .interleaved_beam import InterleavedBeamSearch, build_interleaved
 from .stats import DecodeStats
 
 
@@ -89,6 +90,7 @@ GENERATORS = {
     "iad": build_iad,
     "blockwise": build_blockwise,
     "gad": build_gad,
+    "interleaved": build_interleaved,
 }
 
 __all__ = [

@@ -42,6 +42,12 @@ def check_supported_decoder(decoder):
             "draft-and-verify generators need a fairseq TransformerDecoder (got %s); "
             "use --generator greedy or beam" % type(decoder).__name__
         )
+    if type(decoder).extract_features_scriptable is not TransformerDecoderBase.extract_features_scriptable:
+        raise UnsupportedDecoder(
+            "%s computes its own decoder inputs (an ibdecoder model?); draft-and-verify "
+            "generators need a left-to-right decoder: use --generator interleaved for ibdecoder "
+            "models" % type(decoder).__name__
+        )
     if decoder.cross_self_attention:
         raise UnsupportedDecoder(
             "models trained with --cross-self-attention are not supported by draft-and-verify "

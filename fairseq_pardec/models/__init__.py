@@ -1,1 +1,1 @@
-from . import blockwise_transformer, glat_drafter  # noqa: F401
+from . import blockwise_transformer, glat_drafter, ibdecoder  # noqa: F401

@@ -54,7 +54,8 @@ class TranslationPardecConfig(TranslationConfig):
             "help": "decoding method: beam (fairseq beam search), greedy (beam 1), iad "
             "(input-guided aggressive decoding: copy the source as a draft, lossless), blockwise "
             "(blockwise parallel decoding with a blockwise_transformer's proposal heads), gad "
-            "(generalized aggressive decoding with a glat_drafter, --drafter-path)"
+            "(generalized aggressive decoding with a glat_drafter, --drafter-path), interleaved "
+            "(multi-word beam search of ibdecoder models; beam and greedy map to it for them)"
         },
     )
     block_size: Optional[int] = field(
@@ -89,6 +90,12 @@ class TranslationPardecConfig(TranslationConfig):
         metadata={"help": "gad: GAD++ tolerance: the draft token's log-probability may be at most "
                   "tau below the top-1's"},
     )
+    interleaved_candidates: Optional[int] = field(
+        default=None,
+        metadata={"help": "interleaved: candidates kept per sentence and step, as a multiple of "
+                  "the beam (default 2 = fairseq's rule; 3 for learned positions = the "
+                  "double-token paper's DOUBLETOPK)"},
+    )
     min_block_size: int = field(
         default=1,
         metadata={"help": "blockwise: accept at least this many tokens per iteration (paper § 5.3)"},
@@ -103,6 +110,7 @@ _ARG_VALIDATORS = {
     "--blockwise-distance": non_negative_float,
     "--gad-beta": positive_int,
     "--gad-tau": non_negative_float,
+    "--interleaved-candidates": positive_int,
 }
 
 
@@ -186,6 +194,11 @@ class TranslationPardecTask(TranslationTask):
         prefix_allowed_tokens_fn=None,
     ):
         name = str(self.cfg.generator)
+        if models and hasattr(models[0], "words_per_step") and name in ("beam", "greedy"):
+            # ibdecoder models emit several words per step: their beam search is "interleaved"
+            if name == "greedy":
+                args = _with_beam_one(args)
+            name = "interleaved"
         if getattr(args, "score_reference", False) or seq_gen_cls is not None:
             # Scoring and callers that bring their own generator class get fairseq's path.
             return super().build_generator(
@@ -209,6 +222,14 @@ class TranslationPardecTask(TranslationTask):
                 _reporter = _SummaryReporter()
             _reporter.add(name, generator)
         return generator
+
+
+def _with_beam_one(args):
+    from argparse import Namespace
+
+    values = dict(vars(args)) if isinstance(args, Namespace) else {k: args[k] for k in args}
+    values["beam"] = 1
+    return Namespace(**values)
 
 
 def _keep_tail_batch(dataset):
