@@ -128,12 +128,12 @@ def test_every_variant_decodes_within_limits(h, c, positions):
     d = make_dictionary(30)
     model = ib_model(make_task(d), h=h, c=c, positions=positions, seed=h * 10 + c)
     sample = random_batch(d, [3, 9, 14], seed=1)
-    generator = search(model, d, beam=3, max_len_a=0, max_len_b=7, candidates=3)
+    generator = search(model, d, beam=3, max_len_a=0, max_len_b=17, candidates=3)
     hypos = generator.generate([model], sample)
     z = h * c
     for sent in hypos:
         assert len(sent) == 3
         for hyp in sent:
             assert hyp["tokens"][-1] == d.eos() and d.eos() not in hyp["tokens"][:-1].tolist()
-            assert len(hyp["tokens"]) - 1 <= (7 // z + 1) * z
-    assert generator.stats.decoder_calls <= -(-8 // z)  # ceil((max_len + 1) / z) steps at most
+            assert len(hyp["tokens"]) - 1 <= (17 // z + 1) * z
+    assert generator.stats.decoder_calls <= -(-18 // z)  # ceil((max_len + 1) / z) steps at most
