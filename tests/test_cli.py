@@ -328,3 +328,38 @@ def test_gad_dictionary_mismatch(cli_data, stock_checkpoint, tmp_path):
     proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "gad",
                     "--drafter-path", tmp_path / "d" / "checkpoint_last.pt", check=False)
     assert_clean_error(proc, "dictionaries differ")
+
+
+@pytest.fixture(scope="session")
+def ibdecoder_checkpoint(cli_data):
+    """An IBDecoder (h = 2, c = 1) trained with the stock fairseq-train and the stock criterion."""
+    root, data = cli_data
+    save = root / "ckpt-ibdecoder"
+    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
+        *with_arch("ibdecoder"), "--ib-directions", 2, "--ib-words-per-direction", 1,
+        "--criterion", "label_smoothed_cross_entropy", "--max-update", 6, "--save-dir", save,
+        "--no-epoch-checkpoints")
+    return save / "checkpoint_last.pt"
+
+
+def test_ibdecoder_cli_decodes_every_sentence(cli_data, ibdecoder_checkpoint):
+    _, data = cli_data
+    default = generate(data, ibdecoder_checkpoint, "--beam", 4, "--batch-size", 8)  # beam -> interleaved
+    explicit = generate(data, ibdecoder_checkpoint, "--generator", "interleaved", "--beam", 4,
+                        "--batch-size", 8)
+    assert hypotheses(default.stdout) == hypotheses(explicit.stdout)
+    assert len(hypotheses(explicit.stdout)) == N_TEST
+    assert "pardec generator=interleaved" in explicit.stderr
+
+
+def test_ibdecoder_bad_input(cli_data, stock_checkpoint, ibdecoder_checkpoint):
+    root, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "interleaved",
+                    check=False)
+    assert_clean_error(proc, "ibdecoder")
+    proc = generate(data, ibdecoder_checkpoint, "--generator", "iad", check=False)
+    assert_clean_error(proc, "--generator interleaved")
+    proc = run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
+               *with_arch("ibdecoder"), "--ib-directions", 3, "--max-update", 1,
+               "--save-dir", root / "ckpt-bad", check=False)
+    assert_clean_error(proc, "--ib-directions", "even")
