@@ -98,7 +98,7 @@ class DraftVerifyGenerator:
             prefix: (B, P) forced prefix tokens (pad = not forced) or None.
         Returns the (B, L) forced tokens (-1 where nothing is forced).
         """
-        lprobs[lprobs != lprobs] = -math.inf
+        torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         lprobs[:, :, self.pad] = -math.inf
         lprobs[:, :, self.unk] -= self.unk_penalty
         at_max = steps >= max_len
