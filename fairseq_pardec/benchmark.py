@@ -110,6 +110,8 @@ def batches(task, model, dataset, batch_size, max_sentences, use_cuda, utils):
         max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
         ignore_invalid_inputs=True,
         required_batch_size_multiple=1,
+        # fairseq caches one iterator per dataset and would silently reuse the first batch size
+        disable_iterator_cache=True,
     ).next_epoch_itr(shuffle=False)
     out = []
     for sample in itr:

@@ -184,6 +184,8 @@ def test_benchmark_harness(cli_data, stock_checkpoint, tmp_path):
     rows = {(r["generator"], r["batch_size"]): r for r in result["rows"]}
     assert set(rows) == {(g, b) for g in ("beam2", "greedy", "iad") for b in (1, 4)}
     for b in (1, 4):
+        # the batch size is honoured: 9 sentences are 9 decoder runs at batch 1, fewer at 4
+        assert rows[("greedy", b)]["decoder_calls"] >= (9 if b == 1 else 1)
         assert rows[("iad", b)]["identical_to_greedy"] == 1.0
         assert rows[("iad", b)]["sentences"] == 9
         assert rows[("greedy", b)]["speedup_vs_greedy"] == 1.0
@@ -191,6 +193,8 @@ def test_benchmark_harness(cli_data, stock_checkpoint, tmp_path):
     assert (out / "quality_vs_speed.png").stat().st_size > 0
     assert "| iad | 4 |" in (out / "results.md").read_text()
     assert "| iad | 4 |" in proc.stdout
+    greedy1, greedy4 = rows[("greedy", 1)], rows[("greedy", 4)]
+    assert greedy4["decoder_calls"] < greedy1["decoder_calls"]
 
 
 def test_safe_loading_allowlist_is_what_makes_checkpoints_load(stock_checkpoint):
