@@ -26,12 +26,12 @@ import torch
 from torch import Tensor
 
 from .incremental import BlockDecoder
-from .stats import DecodeStats, count_hypotheses, timed
+from .stats import DecodeStats, StatsGenerator
 
 logger = logging.getLogger(__name__)
 
 
-class DraftVerifyGenerator:
+class DraftVerifyGenerator(StatsGenerator):
     """Batched, KV-cached draft-and-verify decoding with one verifier model."""
 
     def __init__(
@@ -75,20 +75,6 @@ class DraftVerifyGenerator:
         self.stats = DecodeStats()
         self.symbols_to_strip_from_output = {self.eos}
 
-    def cuda(self):
-        self.model.cuda()
-        return self
-
-    @torch.no_grad()
-    def generate(self, models, sample, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
-        if constraints is not None:
-            raise ValueError("draft-and-verify generators do not support --constraints")
-        device = sample["net_input"]["src_tokens"].device
-        with timed(self.stats, device):
-            hypos = self._generate(sample, prefix_tokens, bos_token)
-        count_hypotheses(self.stats, hypos)
-        return hypos
-
     # ------------------------------------------------------------------ per-step adjustments
     def _adjust(self, lprobs: Tensor, steps: Tensor, max_len: int, prefix: Optional[Tensor]):
         """fairseq SequenceGenerator's per-step edits of log-probabilities, for a block.
@@ -121,7 +107,7 @@ class DraftVerifyGenerator:
         return forced
 
     # ------------------------------------------------------------------ main loop
-    def _generate(self, sample, prefix_tokens, bos_token):
+    def _generate(self, sample, prefix_tokens=None, bos_token=None, **unused):
         model, blocks = self.model, self.block_decoder
         model.decoder.set_beam_size(1)  # undo a beam generator built earlier on this model
         net_input = sample["net_input"]

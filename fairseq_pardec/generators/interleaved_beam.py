@@ -20,10 +20,10 @@ import math
 import torch
 
 from .. import ordering
-from .stats import DecodeStats, count_hypotheses, timed
+from .stats import DecodeStats, StatsGenerator
 
 
-class InterleavedBeamSearch:
+class InterleavedBeamSearch(StatsGenerator):
     def __init__(self, models, tgt_dict, beam_size=4, max_len_a=0.0, max_len_b=200, min_len=1,
                  normalize_scores=True, len_penalty=1.0, unk_penalty=0.0, candidates=2):
         if len(models) != 1:
@@ -47,19 +47,8 @@ class InterleavedBeamSearch:
         self.stats = DecodeStats()
         self.symbols_to_strip_from_output = {self.eos}
 
-    def cuda(self):
-        self.model.cuda()
-        return self
-
-    @torch.no_grad()
-    def generate(self, models, sample, prefix_tokens=None, constraints=None, **kwargs):
-        if prefix_tokens is not None or constraints is not None:
-            raise ValueError("--generator interleaved does not support --prefix-size or --constraints")
-        device = sample["net_input"]["src_tokens"].device
-        with timed(self.stats, device):
-            hypos = self._generate(sample)
-        count_hypotheses(self.stats, hypos)
-        return hypos
+    unsupported_kwargs = {"constraints": "--constraints", "prefix_tokens": "--prefix-size"}
+    name = "interleaved"
 
     # ------------------------------------------------------------------ candidates
     def _combine(self, lprobs, k):
@@ -75,7 +64,7 @@ class InterleavedBeamSearch:
         return scores, chosen
 
     # ------------------------------------------------------------------ search
-    def _generate(self, sample):
+    def _generate(self, sample, **unused):
         model, z, beam = self.model, self.z, self.beam_size
         net_input = sample["net_input"]
         src_tokens = net_input["src_tokens"]

@@ -74,3 +74,26 @@ def count_hypotheses(stats: DecodeStats, hypos):
     """Sentences and target tokens (EOS included, as fairseq counts them) of a batch's output."""
     stats.sentences += len(hypos)
     stats.target_tokens += sum(len(h[0]["tokens"]) for h in hypos if h)
+
+
+class StatsGenerator:
+    """fairseq's generator interface around ``_generate``: timing and counting in one place."""
+
+    # generate() keyword -> the fairseq flag that produces it
+    unsupported_kwargs = {"constraints": "--constraints"}
+    name = "this generator"
+
+    def cuda(self):
+        self.model.cuda()
+        return self
+
+    def generate(self, models, sample, **kwargs):
+        for key, flag in self.unsupported_kwargs.items():
+            if kwargs.get(key) is not None:
+                raise ValueError("--generator %s does not support %s" % (self.name, flag))
+        device = sample["net_input"]["src_tokens"].device
+        with torch.no_grad(), timed(self.stats, device):
+            hypos = self._generate(sample, **{k: v for k, v in kwargs.items()
+                                              if k not in self.unsupported_kwargs})
+        count_hypotheses(self.stats, hypos)
+        return hypos

@@ -29,6 +29,7 @@ from fairseq.models.transformer import (
 )
 
 from ..errors import UsageError
+from .sizes import tiny_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -190,14 +191,7 @@ def blockwise_transformer_big(args):
 
 @register_model_architecture("blockwise_transformer", "blockwise_transformer_tiny")
 def blockwise_transformer_tiny(args):
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 64)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 128)
-    args.encoder_layers = getattr(args, "encoder_layers", 2)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 2)
-    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 64)
-    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 128)
-    args.decoder_layers = getattr(args, "decoder_layers", 2)
-    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 2)
+    tiny_sizes(args)
     blockwise_transformer(args)
 
 

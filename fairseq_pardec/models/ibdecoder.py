@@ -33,6 +33,7 @@ from fairseq.models.transformer import (
 
 from .. import ordering
 from ..errors import UsageError
+from .sizes import tiny_sizes
 
 POSITION_KINDS = ("signed", "vanilla", "learned")
 
@@ -239,12 +240,5 @@ def ibdecoder_big(args):
 
 @register_model_architecture("ibdecoder", "ibdecoder_tiny")
 def ibdecoder_tiny(args):
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 64)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 128)
-    args.encoder_layers = getattr(args, "encoder_layers", 2)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 2)
-    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 64)
-    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 128)
-    args.decoder_layers = getattr(args, "decoder_layers", 2)
-    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 2)
+    tiny_sizes(args)
     ibdecoder(args)
