@@ -387,6 +387,13 @@ def cli_main(argv=None):
     if not os.path.isfile(args.path):
         raise SystemExit("benchmark: error: checkpoint %r does not exist (--path)" % args.path)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # fairseq and hydra log every dataset load and deprecation: keep the report readable
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for name in ("fairseq", "hydra", "fairseq_pardec"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     meta, rows = run(args)
     table = markdown(meta, rows)
     os.makedirs(args.out_dir, exist_ok=True)
