@@ -92,13 +92,6 @@ class CopyDrafter(Drafter):
     greedy decoding; the rule only changes how many tokens are accepted.
     """
 
-    # Adaptive draft length for batches (``block_size=None``): verifying a draft costs compute
-    # per drafted token, and in a batch the block is as long as the longest row's draft. After
-    # a rejection a row's next draft is at most max(MIN_ADAPTIVE_DRAFT, 2 x tokens it gained);
-    # a fully accepted draft doubles its budget. A single sentence (batch 1) always drafts the
-    # whole remaining source, as the paper does: there a longer block costs little.
-    MIN_ADAPTIVE_DRAFT = 8
-
     def __init__(self, src_dict, tgt_dict, block_size=None):
         self.vocab_map = SourceVocabularyMap(src_dict, tgt_dict)
         self.src_pad = src_dict.pad()
@@ -119,9 +112,7 @@ class CopyDrafter(Drafter):
             self.sources.append(source)
             self.positions.append(where)
             self.last_match.append((0, 0))  # (source index, output length) of the last match
-        self.adaptive = self.block_size is None and len(self.sources) > 1
-        self.budget = [None] * len(self.sources)  # None: unbounded
-        self.drafted = [0] * len(self.sources)
+
 
     def _match(self, row: int, output: List[int]):
         """Index in the source of the match of the output's last token, or None."""
@@ -148,31 +139,14 @@ class CopyDrafter(Drafter):
             limits = [min(limit, self.block_size) for limit in limits]
         drafts = []
         for row, toks, n, limit in zip(rows.tolist(), tokens.tolist(), n_out.tolist(), limits):
-            if self.adaptive and self.budget[row] is not None:
-                limit = min(limit, self.budget[row])
             output = toks[: n + 1]
             at = self._match(row, output) if limit > 0 else None
             if at is None:
                 drafts.append([])
-                self.drafted[row] = 0
                 continue
             self.last_match[row] = (at, n)
             drafts.append(self.sources[row][at + 1 : at + 1 + limit])
-            self.drafted[row] = len(drafts[-1])
         return pad_drafts(drafts, self.pad, tokens.device)
-
-    def observe(self, rows, features, last):
-        if not self.adaptive:
-            return
-        for row, kept in zip(rows.tolist(), (last + 1).tolist()):
-            drafted = self.drafted[row]
-            if drafted == 0:
-                continue
-            if kept > drafted:  # the whole draft was accepted
-                budget = self.budget[row]
-                self.budget[row] = None if budget is None else 2 * budget
-            else:
-                self.budget[row] = max(self.MIN_ADAPTIVE_DRAFT, 2 * kept)
 
 
 class HeadsDrafter(Drafter):
