@@ -92,6 +92,14 @@ class CopyDrafter(Drafter):
     greedy decoding; the rule only changes how many tokens are accepted.
     """
 
+    # Default draft cap on the CPU. There verifying a draft costs compute per drafted token
+    # (and a batch's block is as long as its longest row's draft), so drafting the whole rest of
+    # a long source after every disagreement wastes most of the work. Measured on UA-GEC (2 cores):
+    # batch 32, 256 sentences: greedy 9.29 s, unbounded 6.81 s, cap 8: 5.22 s, cap 16: 5.60 s;
+    # batch 1, 150 sentences: unbounded 7.21 s, cap 10: 7.07 s. On a GPU a longer block costs
+    # about as much as one token, so there the draft is the whole remaining source, as in the paper.
+    CPU_DEFAULT_BLOCK = 10
+
     def __init__(self, src_dict, tgt_dict, block_size=None):
         self.vocab_map = SourceVocabularyMap(src_dict, tgt_dict)
         self.src_pad = src_dict.pad()
@@ -100,6 +108,9 @@ class CopyDrafter(Drafter):
 
     def start(self, sample, encoder_out, bos: int):
         src = sample["net_input"]["src_tokens"]
+        self.limit = self.block_size
+        if self.limit is None and src.device.type == "cpu":
+            self.limit = self.CPU_DEFAULT_BLOCK
         mapped = self.vocab_map(src).tolist()
         self.sources, self.positions, self.last_match = [], [], []
         for row, ids in zip(src.tolist(), mapped):
@@ -135,8 +146,8 @@ class CopyDrafter(Drafter):
 
     def propose(self, rows, tokens, n_out, max_len):
         limits = max_len.tolist()
-        if self.block_size is not None:
-            limits = [min(limit, self.block_size) for limit in limits]
+        if self.limit is not None:
+            limits = [min(limit, self.limit) for limit in limits]
         drafts = []
         for row, toks, n, limit in zip(rows.tolist(), tokens.tolist(), n_out.tolist(), limits):
             output = toks[: n + 1]

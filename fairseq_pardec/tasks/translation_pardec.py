@@ -62,7 +62,7 @@ class TranslationPardecConfig(TranslationConfig):
         default=None,
         metadata={
             "help": "draft-and-verify generators: iad: most draft tokens verified per iteration "
-            "(default: unbounded); blockwise: block size k counting p_1, as in the paper "
+            "(default: 10 on the CPU, unbounded on a GPU); blockwise: block size k counting p_1, as in the paper "
             "(default: the model's --proposal-heads)"
         },
     )
