@@ -268,7 +268,9 @@ def test_plugin_checkpoint_without_user_dir_fails_as_documented(cli_data, blockw
     proc = run("fairseq_cli.generate", data, "--path", blockwise_checkpoint, "--gen-subset",
                "test", check=False)
     assert proc.returncode != 0
-    assert re.search(r"IndexError|KeyError|blockwise_transformer", proc.stderr)
+    # torch >= 2.6 refuses the checkpoint's argparse.Namespace before fairseq even looks for the
+    # architecture (older torch: fairseq's IndexError/KeyError); README documents both
+    assert re.search(r"argparse.Namespace|IndexError|KeyError", proc.stderr)
 
 
 @pytest.fixture(scope="session")

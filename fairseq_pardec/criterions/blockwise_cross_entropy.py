@@ -38,12 +38,29 @@ def shift_target(target, offset, pad):
     return shifted
 
 
+def _frozen(module):
+    return not any(p.requires_grad for p in module.parameters())
+
+
 @register_criterion("blockwise_cross_entropy", dataclass=BlockwiseCrossEntropyConfig)
 class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
                  report_accuracy=False, head_sampling="random"):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.head_sampling = str(head_sampling)
+
+    @staticmethod
+    def trainable_heads(decoder):
+        """Heads whose loss reaches a trainable parameter: with an identity p_1 on a frozen base
+        (--identity-first-head --freeze-base) p_1 is the base itself and has nothing to learn."""
+        heads = list(range(decoder.proposal_heads))
+        if decoder.proposal.identity_first_head and _frozen(decoder.layers):
+            heads = heads[1:]
+        if not heads:
+            raise UsageError(
+                "nothing to train: --proposal-heads 1 with --identity-first-head --freeze-base"
+            )
+        return heads
 
     def forward(self, model, sample, reduce=True):
         decoder = model.decoder
@@ -52,12 +69,10 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                 "--criterion blockwise_cross_entropy needs --arch blockwise_transformer*"
             )
         features, _ = model(**sample["net_input"], features_only=True)
-        k = decoder.proposal_heads
-        if self.head_sampling == "mean" or not model.training:
-            heads = list(range(k))
-        else:
+        heads = self.trainable_heads(decoder) if model.training else list(range(decoder.proposal_heads))
+        if self.head_sampling == "random" and model.training:
             # fairseq seeds torch per update, so every worker draws the same head.
-            heads = [int(torch.randint(k, (1,)))]
+            heads = [heads[int(torch.randint(len(heads), (1,)))]]
         outputs = decoder.proposal(features, heads=max(heads) + 1)
         target = sample["target"]
         loss = nll_loss = 0.0
