@@ -105,21 +105,10 @@ if [ -n "$release" ]; then
     log "archive: $(grep -m1 '^Version:' "$release" || true), $(grep -m1 '^Date:' "$release" || true)"
 fi
 
-# which units are held out (see the extractor's docstring)
-SPLIT=${SPLIT:-bundled}
-if [ -n "${SPLIT_FROM:-}" ]; then
-    [ -d "$SPLIT_FROM" ] || die "SPLIT_FROM is not a directory: $SPLIT_FROM"
-    split_args=(--split-from "$SPLIT_FROM")
-elif [ "$SPLIT" = bundled ]; then
-    [ -f "$HERE/splits/ddtp-de-en.tsv" ] || die "missing $HERE/splits/ddtp-de-en.tsv"
-    split_args=(--split-ids "$HERE/splits/ddtp-de-en.tsv")
-elif [ "$SPLIT" = hash ]; then
-    split_args=()
-elif [ -f "$SPLIT" ]; then
-    split_args=(--split-ids "$SPLIT")
-else
-    die "SPLIT must be 'bundled', 'hash' or a split file (got '$SPLIT')"
-fi
+# which units are held out (see the extractor's docstring and split-args.sh)
+# shellcheck source=split-args.sh
+source "$HERE/split-args.sh"
+split_args_for ddtp-de-en
 
 # 2. raw segment pairs
 RAW=$OUT/raw

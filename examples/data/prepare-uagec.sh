@@ -43,21 +43,10 @@ else
     "$PYTHON" -m pip install --quiet "ua-gec==$UA_GEC_VERSION" || die "pip install ua-gec==$UA_GEC_VERSION failed"
 fi
 
-# which units are held out (see the extractor's docstring)
-SPLIT=${SPLIT:-bundled}
-if [ -n "${SPLIT_FROM:-}" ]; then
-    [ -d "$SPLIT_FROM" ] || die "SPLIT_FROM is not a directory: $SPLIT_FROM"
-    split_args=(--split-from "$SPLIT_FROM")
-elif [ "$SPLIT" = bundled ]; then
-    [ -f "$HERE/splits/ua-gec.tsv" ] || die "missing $HERE/splits/ua-gec.tsv"
-    split_args=(--split-ids "$HERE/splits/ua-gec.tsv")
-elif [ "$SPLIT" = hash ]; then
-    split_args=()
-elif [ -f "$SPLIT" ]; then
-    split_args=(--split-ids "$SPLIT")
-else
-    die "SPLIT must be 'bundled', 'hash' or a split file (got '$SPLIT')"
-fi
+# which units are held out (see the extractor's docstring and split-args.sh)
+# shellcheck source=split-args.sh
+source "$HERE/split-args.sh"
+split_args_for ua-gec
 
 # 2. raw sentence pairs
 RAW=$OUT/raw
