@@ -44,7 +44,7 @@ else
 fi
 
 # which units are held out (see the extractor's docstring and split-args.sh)
-# shellcheck source=split-args.sh
+# shellcheck source=examples/data/split-args.sh
 source "$HERE/split-args.sh"
 split_args_for ua-gec
 

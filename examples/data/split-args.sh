@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # split_args is read by the sourcing script
 # Sourced by the prepare-*.sh recipes: turns SPLIT / SPLIT_FROM into the extractor's arguments.
 #   SPLIT=bundled (default): the held-out units listed in splits/NAME.tsv
 #   SPLIT=hash: the extractor's own hash split;   SPLIT=FILE: units listed in FILE

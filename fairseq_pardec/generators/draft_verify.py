@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .drafters import pad_drafts
 from .incremental import BlockDecoder
 from .stats import DecodeStats, StatsGenerator
 
@@ -212,8 +213,6 @@ class DraftVerifyGenerator(StatsGenerator):
                 drafts.append(forced[: int(room[r])])
             else:
                 drafts.append(draft[r, : int(draft_len[r])].tolist())
-        from .drafters import pad_drafts
-
         return pad_drafts(drafts, self.pad, draft.device)
 
     def _hypothesis(self, tokens: Tensor, cum_scores: Tensor, length: int):

@@ -12,7 +12,6 @@ greedy`` and beam search use it; ``--generator blockwise`` also reads heads 2..k
 
 import logging
 import os
-import threading
 
 import torch
 import torch.nn as nn
@@ -29,18 +28,10 @@ from fairseq.models.transformer import (
 )
 
 from ..errors import UsageError
+from .loading import LOADING_CHECKPOINT
 from .sizes import tiny_sizes
 
 logger = logging.getLogger(__name__)
-
-
-class _LoadingCheckpoint(threading.local):
-    """Set by translation_pardec's build_model while fairseq rebuilds a model from a checkpoint."""
-
-    active = False
-
-
-LOADING_CHECKPOINT = _LoadingCheckpoint()
 
 
 class ProposalLayer(nn.Module):

@@ -25,6 +25,7 @@ from fairseq.models.transformer import (
 )
 
 from ..errors import UsageError
+from .loading import LOADING_CHECKPOINT
 from .sizes import tiny_sizes
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,6 @@ class GlatDrafterModel(TransformerModel):
         model = super().build_model(args, task)
         path = getattr(args, "init_from_verifier", None)
         if path:
-            from .blockwise_transformer import LOADING_CHECKPOINT
-
             if not LOADING_CHECKPOINT.active:
                 cls._init_from_verifier(model, path)
         return model

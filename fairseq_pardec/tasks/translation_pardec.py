@@ -166,7 +166,7 @@ class TranslationPardecTask(TranslationTask):
         return super().setup_task(cfg, **kwargs)
 
     def build_model(self, cfg, from_checkpoint=False):
-        from ..models.blockwise_transformer import LOADING_CHECKPOINT
+        from ..models.loading import LOADING_CHECKPOINT
 
         LOADING_CHECKPOINT.active = from_checkpoint
         try:
