@@ -35,6 +35,8 @@ def parse_spec(spec):
 
     Keys are fairseq generation options (beam, lenpen, max_len_a, ...) or task options of
     translation_pardec (block_size, ...); values are parsed as Python literals when possible.
+    ``path=CKPT`` decodes with another checkpoint of the same dictionaries (a blockwise or an
+    IBDecoder model next to the Transformer's greedy and beam rows, in the same process).
     """
     import ast
 
@@ -91,16 +93,28 @@ def load(args):
     parser = options.get_generation_parser()
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
     task = tasks.setup_task(cfg.task)
-    models, _ = checkpoint_utils.load_model_ensemble([args.path], task=task)
-    model = models[0]
     use_cuda = torch.cuda.is_available() and not args.cpu
+    model = load_model(task, args.path, args, use_cuda)
+    task.load_dataset(args.gen_subset)
+    return task, model, use_cuda, utils
+
+
+def load_model(task, path, args, use_cuda):
+    from fairseq import checkpoint_utils
+
+    if not os.path.isfile(path):
+        raise SystemExit("benchmark: error: checkpoint %r does not exist (--path or path= of a generator)" % path)
+    try:
+        models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
+    except RuntimeError as e:  # size mismatch of embeddings/projection: another vocabulary
+        raise SystemExit("benchmark: error: cannot load %r with the dictionaries of %s (%s); every "
+                         "path= checkpoint must use the data's dictionaries" % (path, args.data, str(e).splitlines()[0]))
+    model = models[0]
     if args.fp16:
         model.half()
     if use_cuda:
         model.cuda()
-    model.eval()
-    task.load_dataset(args.gen_subset)
-    return task, model, use_cuda, utils
+    return model.eval()
 
 
 def batches(task, model, dataset, batch_size, max_sentences, use_cuda, utils):
@@ -138,8 +152,13 @@ def _select(sample, keep):
 
 
 # ---------------------------------------------------------------------- decoding
+def spec_path(spec, args):
+    return os.path.abspath(spec[2].get("path", args.path))
+
+
 def build(task, model, spec, defaults):
     label, name, options = spec
+    options = {k: v for k, v in options.items() if k != "path"}
     from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig
 
     task_keys = set(TranslationPardecConfig.__dataclass_fields__) - {"data"}
@@ -226,16 +245,24 @@ def run(args):
         i: task.target_dictionary.string(dataset.tgt[i], args.remove_bpe)
         for i in range(n_sentences)
     }
-    greedy_label = next((s[0] for s in specs if s[1] == "greedy"), None)
-    beam_label = next((s[0] for s in specs if s[1] == "beam"), None)
+    # every checkpoint is loaded once, before any timing
+    models = {os.path.abspath(args.path): model}
+    paths = {}
+    for spec in specs:
+        path = paths[spec[0]] = spec_path(spec, args)
+        if path not in models:
+            models[path] = load_model(task, path, args, use_cuda)
+    # speedups are relative to the --path model's own greedy and beam rows
+    greedy_label = next((s[0] for s in specs if s[1] == "greedy" and "path" not in s[2]), None)
+    beam_label = next((s[0] for s in specs if s[1] == "beam" and "path" not in s[2]), None)
 
     rows = []
     for batch_size in args.batch_sizes:
         samples = batches(task, model, dataset, batch_size, args.max_sentences, use_cuda, utils)
-        generators = {spec[0]: build(task, model, spec, args) for spec in specs}
+        generators = {spec[0]: build(task, models[spec_path(spec, args)], spec, args) for spec in specs}
         warm = samples[: max(1, args.warmup_sentences // batch_size)]
         for label, generator in generators.items():  # warm-up (caches, allocator, threads)
-            decode(task, model, generator, warm)
+            decode(task, models[paths[label]], generator, warm)
         times = {label: [] for label in generators}
         outputs, stats = {}, {}
         total = len(generators) * args.repeats * n_sentences
@@ -243,7 +270,7 @@ def run(args):
                   disable=args.no_progress) as progress:
             for _ in range(args.repeats):
                 for label, generator in generators.items():  # alternating: A B C A B C ...
-                    out, st = decode(task, model, generator, samples, progress)
+                    out, st = decode(task, models[paths[label]], generator, samples, progress)
                     times[label].append(st["wall_time"])
                     outputs[label], stats[label] = out, st
         for label in generators:
@@ -261,6 +288,7 @@ def run(args):
                 "iterations_per_sentence": st["row_iterations"] / max(1, st["sentences"]),
                 "decoder_calls": st["decoder_calls"],
                 "target_tokens": st["target_tokens"],
+                "checkpoint": paths[label],
             }
             row.update(quality(task, outputs[label], references, args.remove_bpe))
             if greedy_label is not None:

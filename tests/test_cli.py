@@ -243,6 +243,26 @@ def test_blockwise_cli_frozen_identity_equals_base_greedy(cli_data, stock_checkp
     assert len(hypotheses(relaxed.stdout)) == N_TEST
 
 
+def test_benchmark_other_checkpoint_in_same_process(cli_data, stock_checkpoint, blockwise_checkpoint, tmp_path):
+    """path= puts a blockwise model next to the base model's greedy row; speedups stay vs that row."""
+    import json
+
+    _, data = cli_data
+    out = tmp_path / "bench"
+    run("fairseq_pardec.benchmark", data, "--path", stock_checkpoint / "checkpoint_last.pt",
+        "--generators", "greedy", "blockwise:path=%s,label=bw-frozen" % blockwise_checkpoint,
+        "--batch-sizes", 3, "--repeats", 1, "--max-sentences", 9, "--warmup-sentences", 2,
+        "--threads", 1, "--max-len-b", 12, "--no-progress", "--out-dir", out)
+    rows = {r["generator"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert rows["bw-frozen"]["identical_to_greedy"] == 1.0  # identity p_1, frozen base
+    assert rows["bw-frozen"]["checkpoint"] == str(blockwise_checkpoint)
+    assert rows["greedy"]["speedup_vs_greedy"] == 1.0
+    # a model with another vocabulary is refused in one line
+    bad = run("fairseq_pardec.benchmark", data, "--path", stock_checkpoint / "checkpoint_last.pt",
+              "--generators", "greedy:path=/no/such.pt", "--out-dir", out, check=False)
+    assert_clean_error(bad, "/no/such.pt", "does not exist")
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--block-size", 4], "larger than the model's --proposal-heads 3"),
     (["--min-block-size", 4], "--min-block-size 4 is larger than the block size 3"),
