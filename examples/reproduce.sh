@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# One command from nothing to the results table of docs/results.md: every method of the README on
+# real data, measured side by side with python -m fairseq_pardec.benchmark.
+#
+# usage: examples/reproduce.sh [cpu|gpu]            (default cpu)
+#
+#   1. data       examples/data/prepare-ddtp.sh (apt indexes) and prepare-uagec.sh (pip ua-gec)
+#   2. teacher    Transformer on ddtp-de-en (German -> English), regular data
+#      gec        Transformer on UA-GEC (the IAD verifier)
+#   3. distill    the teacher decodes the ddtp training set with beam 5 (examples/distill.sh)
+#   4. verifier   Transformer on the distilled data: greedy/beam reference, GAD verifier,
+#                 base of the blockwise models
+#   5. models     on the distilled data: GLAT drafter (encoder from the verifier); blockwise
+#                 frozen (identity p_1, k=4) and fine-tuned (k=6) from the verifier; IBDecoder
+#                 (h=2), +SA (h=2, c=2), IMDecoder (h=4), double-token, vanilla SA (h=1, c=2)
+#   6. benchmark  ddtp test: greedy, beam 4/5, gad, gad++, blockwise x2, the IBDecoder family at
+#                 beam 1 and 4 -- one process, batch 1 and 32; UA-GEC test: beam 5, greedy, iad
+#   7. page       results page RESULTS_PAGE (default WORK/results.md; docs/results.md is one) and
+#                 its quality-vs-speed PNGs, from the benchmark JSON
+#
+# Resumable: a step whose output exists is skipped (delete the folder of a step to redo it).
+# Progress: one timestamped line per step on stderr and in WORK/reproduce.log; each step's own
+# log is next to its output.
+#
+# Presets
+#   cpu  d256 3+3-layer models with a time budget each (fairseq --stop-time-hours): teacher and
+#        GEC model 60 min, verifier, drafter and IBDecoder models 20 min, blockwise 10 min; two
+#        trainings at a time with one thread each (2 cores); benchmark on BENCH_SENTENCES=200
+#        test sentences, 2 threads. With two at a time the budgets take about 2.3 hours, plus data
+#        preparation, distillation and benchmarking, under 6 hours on 2 cores.
+#   gpu  paper-sized models (transformer_base sizes, fp16, up to 100k updates each, patience 10),
+#        one training at a time, whole test sets, benchmark in fp16.
+# Environment: WORK (default reproduce-<preset>), BENCH_SENTENCES, REPEATS (default 3),
+#   THREADS (benchmark threads, default 2), DDTP_DATA / UAGEC_DATA (use an existing
+#   prepare-*.sh output folder instead of building one under WORK).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+PRESET=${1:-cpu}
+case "$PRESET" in cpu|gpu) ;; *) echo "reproduce.sh: error: preset must be cpu or gpu (got $PRESET)" >&2; exit 1 ;; esac
+WORK=${WORK:-reproduce-$PRESET}
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
+DDTP=${DDTP_DATA:-$WORK/data/ddtp-de-en}
+UAGEC=${UAGEC_DATA:-$WORK/data/ua-gec}
+THREADS=${THREADS:-2}
+REPEATS=${REPEATS:-3}
+if [ "$PRESET" = cpu ]; then
+  PAR=2 BENCH_SENTENCES=${BENCH_SENTENCES:-200} DEVICE_FLAGS=(--cpu) CPU_ENV=(CPU=1)
+  BIG=60 MID=20 SMALL=10 ANNEAL=1000   # the glancing ratio anneals within the 20-minute budget
+else
+  PAR=1 BENCH_SENTENCES=${BENCH_SENTENCES:-} DEVICE_FLAGS=(--fp16) CPU_ENV=()
+  ANNEAL=100000
+fi
+export PRESET
+log() { echo "[reproduce $(date +%H:%M:%S)] $*" | tee -a "$WORK/reproduce.log" >&2; }
+fail() { log "FAILED: $*"; exit 1; }
+
+# run step functions side by side (cpu: two at a time, one thread each), stop on the first failure
+together() {
+  if [ "$PAR" -gt 1 ] && [ $# -gt 1 ]; then
+    local pids=() f
+    for f in "$@"; do OMP_NUM_THREADS=1 "$f" & pids+=($!); done
+    local ok=1 p
+    for p in "${pids[@]}"; do wait "$p" || ok=0; done
+    [ $ok = 1 ] || fail "a training step failed (see its log above)"
+  else
+    for f in "$@"; do "$f"; done
+  fi
+}
+
+# train NAME DATA_BIN SAVE_DIR MINUTES SRC TGT [ARCH] -- extra fairseq-train flags
+train() {
+  local name=$1 data=$2 save=$3 minutes=$4 src=$5 tgt=$6 arch=$7; shift 7
+  [ "${1:-}" = -- ] && shift
+  if [ -f "$save/checkpoint_best.pt" ]; then log "skip $name (exists: $save/checkpoint_best.pt)"; return; fi
+  log "train $name${minutes:+ ($minutes min budget)} -> $save (log: $save.log)"
+  mkdir -p "$(dirname "$save")"
+  ARCH=$arch MAX_MINUTES=$minutes bash "$HERE/examples/train-transformer.sh" "$data" "$save" "$src" "$tgt" "$@" \
+    > "$save.log" 2>&1 || { tail -5 "$save.log" >&2; fail "train $name (log: $save.log)"; }
+  log "done $name: $(grep -o 'valid on .valid. subset.*' "$save.log" | tail -1 | grep -o 'ppl [0-9.]*\|num_updates [0-9]*' | paste -sd' ')"
+}
+
+# ---------------------------------------------------------------- 1. data
+if [ -f "$DDTP/bin/dict.de.txt" ]; then log "skip ddtp data (exists: $DDTP/bin)"; else
+  log "prepare ddtp-de-en -> $DDTP"
+  bash "$HERE/examples/data/prepare-ddtp.sh" "$DDTP" > "$WORK/prepare-ddtp.log" 2>&1 || fail "prepare-ddtp.sh (log: $WORK/prepare-ddtp.log)"
+fi
+if [ -f "$UAGEC/bin/dict.src.txt" ]; then log "skip ua-gec data (exists: $UAGEC/bin)"; else
+  log "prepare ua-gec -> $UAGEC"
+  bash "$HERE/examples/data/prepare-uagec.sh" "$UAGEC" > "$WORK/prepare-uagec.log" 2>&1 || fail "prepare-uagec.sh (log: $WORK/prepare-uagec.log)"
+fi
+
+# ---------------------------------------------------------------- 2.-5. models
+D=$WORK/ddtp
+DIST=$D/distilled/bin
+VERIFIER=$D/verifier/checkpoint_best.pt
+teacher()  { train teacher "$DDTP/bin" "$D/teacher" "${BIG:-}" de en transformer; }
+gec()      { train gec "$UAGEC/bin" "$WORK/gec/model" "${BIG:-}" src tgt transformer; }
+verifier() { train verifier "$DIST" "$D/verifier" "${MID:-}" de en transformer; }
+drafter()  { train drafter "$DIST" "$D/drafter" "${MID:-}" de en glat_drafter -- \
+               --criterion glat_loss --drafter-block-size 25 --init-from-verifier "$VERIFIER" \
+               --glat-anneal-updates "$ANNEAL"; }
+blockwise_frozen() { train blockwise-frozen-k4 "$DIST" "$D/blockwise-frozen-k4" "${SMALL:-}" de en blockwise_transformer -- \
+               --proposal-heads 4 --identity-first-head --freeze-base --init-from-transformer "$VERIFIER" \
+               --criterion blockwise_cross_entropy --warmup-updates 100; }
+blockwise_finetune() { train blockwise-finetune-k6 "$DIST" "$D/blockwise-finetune-k6" "${SMALL:-}" de en blockwise_transformer -- \
+               --proposal-heads 6 --init-from-transformer "$VERIFIER" \
+               --criterion blockwise_cross_entropy --warmup-updates 100; }
+blockwise_both() { blockwise_frozen; blockwise_finetune; }
+ib()           { train ibdecoder "$DIST" "$D/ibdecoder" "${MID:-}" de en ibdecoder -- --ib-directions 2 --ib-words-per-direction 1 --ib-positions signed; }
+ib_sa()        { train ibdecoder-sa "$DIST" "$D/ibdecoder-sa" "${MID:-}" de en ibdecoder -- --ib-directions 2 --ib-words-per-direction 2 --ib-positions signed; }
+imdecoder()    { train imdecoder "$DIST" "$D/imdecoder" "${MID:-}" de en ibdecoder -- --ib-directions 4 --ib-words-per-direction 1 --ib-positions signed; }
+double_token() { train double-token "$DIST" "$D/double-token" "${MID:-}" de en ibdecoder -- --ib-directions 2 --ib-words-per-direction 1 --ib-positions learned; }
+vanilla_sa()   { train vanilla-sa "$DIST" "$D/vanilla-sa" "${MID:-}" de en ibdecoder -- --ib-directions 1 --ib-words-per-direction 2 --ib-positions vanilla; }
+distill() {
+  if [ -f "$DIST/dict.de.txt" ]; then log "skip distill (exists: $DIST)"; return; fi
+  log "distill: the teacher decodes the training set with beam 5 (log: $D/distill.log)"
+  env THREADS="$THREADS" "${CPU_ENV[@]}" bash "$HERE/examples/distill.sh" "$DDTP/bin" "$D/teacher/checkpoint_best.pt" \
+    "$DDTP/bpe" "$D/distilled" de en > "$D/distill.log" 2>&1 || fail "distill (log: $D/distill.log)"
+}
+
+together teacher gec
+OMP_NUM_THREADS=$THREADS distill
+together verifier ib
+together drafter ib_sa
+together blockwise_both imdecoder
+together double_token vanilla_sa
+
+# ---------------------------------------------------------------- 6. benchmarks
+bench() {  # NAME DATA_BIN CKPT SRC TGT generator specs...
+  local name=$1 data=$2 ckpt=$3 src=$4 tgt=$5; shift 5
+  local out=$WORK/bench/$name
+  if [ -f "$out/results.json" ]; then log "skip benchmark $name (exists: $out/results.json)"; return; fi
+  log "benchmark $name (${BENCH_SENTENCES:-all} test sentences, batch 1 and 32, median of $REPEATS; log: $out.log)"
+  mkdir -p "$WORK/bench"
+  OMP_NUM_THREADS=$THREADS python -m fairseq_pardec.benchmark "$data" --path "$ckpt" -s "$src" -t "$tgt" \
+    --generators "$@" --batch-sizes 1 32 --repeats "$REPEATS" --threads "$THREADS" \
+    ${BENCH_SENTENCES:+--max-sentences $BENCH_SENTENCES} "${DEVICE_FLAGS[@]}" --no-progress \
+    --out-dir "$out.tmp" > "$out.log" 2>&1 || { tail -5 "$out.log" >&2; fail "benchmark $name (log: $out.log)"; }
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+ibspecs=()
+for name in ibdecoder ibdecoder-sa imdecoder double-token vanilla-sa; do
+  ibspecs+=("greedy:label=$name-b1,path=$D/$name/checkpoint_best.pt" "beam:label=$name-b4,beam=4,path=$D/$name/checkpoint_best.pt")
+done
+bench ddtp-de-en "$DDTP/bin" "$VERIFIER" de en \
+  greedy beam:beam=5 beam:label=beam4,beam=4 \
+  "gad:label=gad-k25,drafter_path=$D/drafter/checkpoint_best.pt,block_size=25" \
+  "gad:label=gad++top3-tau1,drafter_path=$D/drafter/checkpoint_best.pt,block_size=25,gad_beta=3,gad_tau=1.0" \
+  "blockwise:label=blockwise-frozen-k4,path=$D/blockwise-frozen-k4/checkpoint_best.pt" \
+  "blockwise:label=blockwise-finetune-k6,path=$D/blockwise-finetune-k6/checkpoint_best.pt" \
+  "blockwise:label=blockwise-finetune-k6-top2,blockwise_topk=2,path=$D/blockwise-finetune-k6/checkpoint_best.pt" \
+  "${ibspecs[@]}"
+bench ua-gec "$UAGEC/bin" "$WORK/gec/model/checkpoint_best.pt" src tgt beam:beam=5 greedy iad
+
+# ---------------------------------------------------------------- 7. page
+PAGE=${RESULTS_PAGE:-$WORK/results.md}
+python3 "$HERE/examples/results_page.py" "$WORK" "$PRESET" "$PAGE" > "$PAGE.tmp" && mv "$PAGE.tmp" "$PAGE"
+log "done: $PAGE"
