@@ -32,7 +32,8 @@
 #        one training at a time, whole test sets, benchmark in fp16.
 # Environment: WORK (default reproduce-<preset>), BENCH_SENTENCES, REPEATS (default 3),
 #   THREADS (benchmark threads, default 2), DDTP_DATA / UAGEC_DATA (use an existing
-#   prepare-*.sh output folder instead of building one under WORK).
+#   prepare-*.sh output folder instead of building one under WORK), RESULTS_PAGE (where the page
+#   goes; WORK/NOTES.md, if you write one, is included in it verbatim).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PRESET=${1:-cpu}

@@ -2,7 +2,8 @@
 
 usage: python examples/results_page.py WORK PRESET OUT_MD
 
-Reads WORK/bench/{ddtp-de-en,ua-gec}/results.json and WORK/reproduce.log, copies the
+Reads WORK/bench/{ddtp-de-en,ua-gec}/results.json, WORK/reproduce.log and, if present,
+WORK/NOTES.md (the runner's remarks on the run, included verbatim), copies the
 quality-vs-speed plots next to OUT_MD and prints nothing but errors. Every number on the page comes
 from those files; the paper column is the papers' own headline, quoted with its setting.
 """
@@ -123,6 +124,9 @@ def main(work, preset, out_md):
             "",
             table(result, spec, score), "",
             "![quality vs speed](%s)" % png, ""]))
+    notes = os.path.join(work, "NOTES.md")  # optional, written by whoever ran it: what was special
+    if os.path.exists(notes):
+        parts.insert(0, "## Notes on this run\n\n" + open(notes).read().strip() + "\n")
     log = os.path.join(work, "reproduce.log")
     steps = open(log).read().strip() if os.path.exists(log) else "(no reproduce.log)"
     print("# Results (`examples/reproduce.sh %s`)\n" % preset)
