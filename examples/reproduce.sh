@@ -8,11 +8,12 @@
 #   2. teacher    Transformer on ddtp-de-en (German -> English), regular data
 #      gec        Transformer on UA-GEC (the IAD verifier)
 #   3. distill    the teacher decodes the ddtp training set with beam 5 (examples/distill.sh)
-#   4. verifier   Transformer on the distilled data: greedy/beam reference, GAD verifier,
-#                 base of the blockwise models
+#   4. verifier   the teacher fine-tuned on the distilled data: greedy/beam reference, GAD
+#                 verifier, base of the blockwise models
 #   5. models     on the distilled data: GLAT drafter (encoder from the verifier); blockwise
 #                 frozen (identity p_1, k=4) and fine-tuned (k=6) from the verifier; IBDecoder
-#                 (h=2), +SA (h=2, c=2), IMDecoder (h=4), double-token, vanilla SA (h=1, c=2)
+#                 (h=2), +SA (h=2, c=2), IMDecoder (h=4), double-token, vanilla SA (h=1, c=2),
+#                 each started from the teacher's parameters
 #   6. benchmark  ddtp test: greedy, beam 4/5, gad, gad++, blockwise x2, the IBDecoder family at
 #                 beam 1 and 4 -- one process, batch 1 and 32; UA-GEC test: beam 5, greedy, iad
 #   7. page       results page RESULTS_PAGE (default WORK/results.md; docs/results.md is one) and
@@ -73,12 +74,21 @@ together() {
 train() {
   local name=$1 data=$2 save=$3 minutes=$4 src=$5 tgt=$6 arch=$7; shift 7
   [ "${1:-}" = -- ] && shift
-  if [ -f "$save/checkpoint_best.pt" ]; then log "skip $name (exists: $save/checkpoint_best.pt)"; return; fi
+  # DONE marks a finished training; without it an interrupted one resumes from checkpoint_last.pt
+  if [ -f "$save/DONE" ]; then log "skip $name (exists: $save/DONE)"; return; fi
   log "train $name${minutes:+ ($minutes min budget)} -> $save (log: $save.log)"
-  mkdir -p "$(dirname "$save")"
+  mkdir -p "$save"
   ARCH=$arch MAX_MINUTES=$minutes bash "$HERE/examples/train-transformer.sh" "$data" "$save" "$src" "$tgt" "$@" \
-    > "$save.log" 2>&1 || { tail -5 "$save.log" >&2; fail "train $name (log: $save.log)"; }
-  log "done $name: $(grep -o 'valid on .valid. subset.*' "$save.log" | tail -1 | grep -o 'ppl [0-9.]*\|num_updates [0-9]*' | paste -sd' ')"
+    >> "$save.log" 2>&1 || { tail -5 "$save.log" >&2; fail "train $name (log: $save.log)"; }
+  [ -f "$save/checkpoint_best.pt" ] || fail "train $name wrote no checkpoint (log: $save.log)"
+  local summary
+  summary=$(grep -o 'valid on .valid. subset.*' "$save.log" | tail -1 | grep -o 'ppl [0-9.]*\|num_updates [0-9]*' | paste -sd' ')
+  echo "$summary" > "$save/DONE"
+  log "done $name: $summary"
+}
+
+trained_minutes() {  # training time recorded in a checkpoint, in whole minutes (rounded up)
+  python3 -c "import sys, torch; s = torch.load(sys.argv[1], map_location='cpu', weights_only=False); print(int(s['extra_state']['previous_training_time'] // 60) + 1)" "$1"
 }
 
 # ---------------------------------------------------------------- 1. data
@@ -97,7 +107,13 @@ DIST=$D/distilled/bin
 VERIFIER=$D/verifier/checkpoint_best.pt
 teacher()  { train teacher "$DDTP/bin" "$D/teacher" "${BIG:-}" de en transformer; }
 gec()      { train gec "$UAGEC/bin" "$WORK/gec/model" "${BIG:-}" src tgt transformer; }
-verifier() { train verifier "$DIST" "$D/verifier" "${MID:-}" de en transformer; }
+# The verifier is the teacher fine-tuned on the distilled data (fairseq's --finetune-from-model:
+# fresh optimizer and schedule, resumable). fairseq carries the teacher's training time over, so
+# on the CPU the budget is added to it.
+verifier() { local budget=${MID:-}
+             [ -n "$budget" ] && budget=$(( $(trained_minutes "$D/teacher/checkpoint_best.pt") + MID ))
+             train verifier "$DIST" "$D/verifier" "$budget" de en transformer -- \
+               --finetune-from-model "$D/teacher/checkpoint_best.pt"; }
 drafter()  { train drafter "$DIST" "$D/drafter" "${MID:-}" de en glat_drafter -- \
                --criterion glat_loss --drafter-block-size 25 --init-from-verifier "$VERIFIER" \
                --glat-anneal-updates "$ANNEAL"; }
@@ -108,11 +124,16 @@ blockwise_finetune() { train blockwise-finetune-k6 "$DIST" "$D/blockwise-finetun
                --proposal-heads 6 --init-from-transformer "$VERIFIER" \
                --criterion blockwise_cross_entropy --warmup-updates 100; }
 blockwise_both() { blockwise_frozen; blockwise_finetune; }
-ib()           { train ibdecoder "$DIST" "$D/ibdecoder" "${MID:-}" de en ibdecoder -- --ib-directions 2 --ib-words-per-direction 1 --ib-positions signed; }
-ib_sa()        { train ibdecoder-sa "$DIST" "$D/ibdecoder-sa" "${MID:-}" de en ibdecoder -- --ib-directions 2 --ib-words-per-direction 2 --ib-positions signed; }
-imdecoder()    { train imdecoder "$DIST" "$D/imdecoder" "${MID:-}" de en ibdecoder -- --ib-directions 4 --ib-words-per-direction 1 --ib-positions signed; }
-double_token() { train double-token "$DIST" "$D/double-token" "${MID:-}" de en ibdecoder -- --ib-directions 2 --ib-words-per-direction 1 --ib-positions learned; }
-vanilla_sa()   { train vanilla-sa "$DIST" "$D/vanilla-sa" "${MID:-}" de en ibdecoder -- --ib-directions 1 --ib-words-per-direction 2 --ib-positions vanilla; }
+# IBDecoder models start from the teacher's parameters (--init-from-transformer) and learn the
+# interleaved order on the distilled data.
+ibtrain() { local name=$1; shift
+            train "$name" "$DIST" "$D/$name" "${MID:-}" de en ibdecoder -- \
+              --init-from-transformer "$D/teacher/checkpoint_best.pt" "$@"; }
+ib()           { ibtrain ibdecoder --ib-directions 2 --ib-words-per-direction 1 --ib-positions signed; }
+ib_sa()        { ibtrain ibdecoder-sa --ib-directions 2 --ib-words-per-direction 2 --ib-positions signed; }
+imdecoder()    { ibtrain imdecoder --ib-directions 4 --ib-words-per-direction 1 --ib-positions signed; }
+double_token() { ibtrain double-token --ib-directions 2 --ib-words-per-direction 1 --ib-positions learned; }
+vanilla_sa()   { ibtrain vanilla-sa --ib-directions 1 --ib-words-per-direction 2 --ib-positions vanilla; }
 distill() {
   if [ -f "$DIST/dict.de.txt" ]; then log "skip distill (exists: $DIST)"; return; fi
   log "distill: the teacher decodes the training set with beam 5 (log: $D/distill.log)"

@@ -368,6 +368,34 @@ def ibdecoder_checkpoint(cli_data):
     return save / "checkpoint_last.pt"
 
 
+@pytest.mark.parametrize("flags", [
+    ["--ib-directions", 4],                          # IMDecoder: direction embeddings are new
+    ["--ib-directions", 2, "--ib-positions", "learned"],  # double-token: learned positions are new
+])
+def test_ibdecoder_init_from_transformer(cli_data, stock_checkpoint, tmp_path, flags):
+    """A trained fairseq transformer seeds every IBDecoder parameter it has."""
+    import torch
+
+    _, data = cli_data
+    stock = stock_checkpoint / "checkpoint_last.pt"
+    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
+        *with_arch("ibdecoder"), *flags, "--init-from-transformer", stock, "--lr", 1e-12,
+        "--warmup-updates", 1, "--max-update", 1, "--save-dir", tmp_path, "--no-epoch-checkpoints")
+    base = torch.load(stock, map_location="cpu", weights_only=False)["model"]
+    tuned = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+    for key in ("encoder.layers.0.fc1.weight", "decoder.layers.1.self_attn.k_proj.weight",
+                "decoder.embed_tokens.weight"):
+        assert torch.allclose(base[key], tuned[key], atol=1e-6), key
+
+
+def test_ibdecoder_init_from_other_model_is_refused(cli_data, blockwise_checkpoint, tmp_path):
+    _, data = cli_data
+    proc = run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
+               *with_arch("ibdecoder"), "--init-from-transformer", blockwise_checkpoint,
+               "--max-update", 1, "--save-dir", tmp_path, check=False)
+    assert_clean_error(proc, "--init-from-transformer", "does not match this model", "decoder.proposal")
+
+
 def test_ibdecoder_cli_decodes_every_sentence(cli_data, ibdecoder_checkpoint):
     _, data = cli_data
     default = generate(data, ibdecoder_checkpoint, "--beam", 4, "--batch-size", 8)  # beam -> interleaved

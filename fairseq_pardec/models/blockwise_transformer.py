@@ -11,13 +11,12 @@ greedy`` and beam search use it; ``--generator blockwise`` also reads heads 2..k
 """
 
 import logging
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fairseq import checkpoint_utils, utils
+from fairseq import utils
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
     TransformerConfig,
@@ -28,7 +27,7 @@ from fairseq.models.transformer import (
 )
 
 from ..errors import UsageError
-from .loading import LOADING_CHECKPOINT
+from .loading import LOADING_CHECKPOINT, init_from_checkpoint
 from .sizes import tiny_sizes
 
 logger = logging.getLogger(__name__)
@@ -142,17 +141,7 @@ class BlockwiseTransformerModel(TransformerModel):
 
     @staticmethod
     def _init_from_transformer(model, path):
-        if not os.path.isfile(path):
-            raise UsageError("--init-from-transformer: no checkpoint file %r" % path)
-        state = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.startswith("decoder.proposal.")]
-        if missing or unexpected:
-            raise UsageError(
-                "--init-from-transformer %s does not match this architecture (missing %s, "
-                "unexpected %s): train the blockwise model with the base model's sizes"
-                % (path, missing[:3], unexpected[:3])
-            )
+        init_from_checkpoint(model, path, "--init-from-transformer", may_differ=("decoder.proposal.",))
         logger.info("initialised base parameters from %s", path)
 
 

@@ -33,6 +33,7 @@ from fairseq.models.transformer import (
 
 from .. import ordering
 from ..errors import UsageError
+from .loading import LOADING_CHECKPOINT, init_from_checkpoint
 from .sizes import tiny_sizes
 
 POSITION_KINDS = ("signed", "vanilla", "learned")
@@ -150,6 +151,11 @@ class IBDecoderModel(TransformerModel):
         parser.add_argument("--ib-positions", choices=POSITION_KINDS,
                             help="signed (Eq. 7; step + direction for h > 2), vanilla (flat "
                                  "index, sinusoid) or learned (flat index; double-token)")
+        parser.add_argument("--init-from-transformer", metavar="PATH",
+                            help="start from a trained fairseq transformer of the same sizes: "
+                                 "IBDecoder reuses every parameter (direction embeddings and "
+                                 "learned positions, where used, start fresh), then fine-tunes "
+                                 "on the interleaved order")
         parser.add_argument("--ib-vanilla-mask", action="store_true",
                             help="ablation: the standard causal mask M(1,1) instead of M(h,c)")
 
@@ -162,7 +168,14 @@ class IBDecoderModel(TransformerModel):
         if args.ib_positions not in POSITION_KINDS:
             raise UsageError("--ib-positions must be one of %s" % ", ".join(POSITION_KINDS))
         args.decoder_learned_pos = args.ib_positions == "learned"
-        return super().build_model(args, task)
+        model = super().build_model(args, task)
+        path = getattr(args, "init_from_transformer", None)
+        if path and not LOADING_CHECKPOINT.active:  # a trained model's checkpoint holds every weight
+            # a transformer's sinusoid buffer has no place in signed positions; learned positions
+            # and direction embeddings are new parameters
+            init_from_checkpoint(model, path, "--init-from-transformer",
+                                 may_differ=("decoder.embed_positions.", "decoder.direction_embeddings."))
+        return model
 
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):

@@ -14,3 +14,34 @@ class _LoadingCheckpoint(threading.local):
 
 
 LOADING_CHECKPOINT = _LoadingCheckpoint()
+
+
+def init_from_checkpoint(model, path, flag, may_differ=()):
+    """Copy a trained checkpoint's parameters into a new ``model`` (training-time initialisation).
+
+    Every parameter of ``model`` must come from ``path`` with the same shape, except those whose
+    names start with a prefix in ``may_differ`` (the parts the new architecture adds or replaces:
+    proposal heads, direction embeddings, learned positions); the checkpoint may hold such parts
+    that the model lacks (a sinusoid buffer where the model has none). Anything else that does
+    not match means other sizes or another model: a one-line error naming ``flag``.
+    """
+    import os
+
+    from fairseq import checkpoint_utils
+
+    from ..errors import UsageError
+
+    if not os.path.isfile(path):
+        raise UsageError("%s: no checkpoint file %r" % (flag, path))
+    state = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
+    own = model.state_dict()
+    free = lambda key: key.startswith(tuple(may_differ))  # noqa: E731
+    missing = [k for k in own if k not in state and not free(k)]
+    unexpected = [k for k in state if k not in own and not free(k)]
+    shaped = [k for k in state if k in own and own[k].shape != state[k].shape]
+    if missing or unexpected or shaped:
+        raise UsageError(
+            "%s %s does not match this model (missing %s, unexpected %s, other shape %s): train "
+            "with the checkpoint's sizes (--encoder/decoder-embed-dim, layers, ffn, heads) and its "
+            "dictionaries" % (flag, path, missing[:3], unexpected[:3], shaped[:3]))
+    model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
