@@ -76,7 +76,7 @@ train() {
   [ "${1:-}" = -- ] && shift
   # DONE marks a finished training; without it an interrupted one resumes from checkpoint_last.pt
   if [ -f "$save/DONE" ]; then log "skip $name (exists: $save/DONE)"; return; fi
-  log "train $name${minutes:+ ($minutes min budget)} -> $save (log: $save.log)"
+  log "train $name${minutes:+ (until $minutes min of recorded training time)} -> $save (log: $save.log)"
   mkdir -p "$save"
   ARCH=$arch MAX_MINUTES=$minutes bash "$HERE/examples/train-transformer.sh" "$data" "$save" "$src" "$tgt" "$@" \
     >> "$save.log" 2>&1 || { tail -5 "$save.log" >&2; fail "train $name (log: $save.log)"; }
