@@ -15,7 +15,8 @@
 #                 (h=2), +SA (h=2, c=2), IMDecoder (h=4), double-token, vanilla SA (h=1, c=2),
 #                 each started from the teacher's parameters
 #   6. benchmark  ddtp test: greedy, beam 4/5, gad, gad++, blockwise x2, the IBDecoder family at
-#                 beam 1 and 4 -- one process, batch 1 and 32; UA-GEC test: beam 5, greedy, iad
+#                 beam 1 and 4 -- one process, batch 1 and 32; UA-GEC test: beam 5, greedy, iad;
+#                 then the GAD block-size sweep and the IBDecoder ablations (two more models)
 #   7. page       results page RESULTS_PAGE (default WORK/results.md; docs/results.md is one) and
 #                 its quality-vs-speed PNGs, from the benchmark JSON
 #
@@ -149,14 +150,15 @@ together blockwise_both imdecoder
 together double_token vanilla_sa
 
 # ---------------------------------------------------------------- 6. benchmarks
-bench() {  # NAME DATA_BIN CKPT SRC TGT generator specs...
+bench() {  # NAME DATA_BIN CKPT SRC TGT generator specs...   (BATCHES: batch sizes, default "1 32")
   local name=$1 data=$2 ckpt=$3 src=$4 tgt=$5; shift 5
-  local out=$WORK/bench/$name
+  local out=$WORK/bench/$name batches=${BATCHES:-1 32}
   if [ -f "$out/results.json" ]; then log "skip benchmark $name (exists: $out/results.json)"; return; fi
-  log "benchmark $name (${BENCH_SENTENCES:-all} test sentences, batch 1 and 32, median of $REPEATS; log: $out.log)"
+  log "benchmark $name (${BENCH_SENTENCES:-all} test sentences, batch ${batches// /, }, median of $REPEATS; log: $out.log)"
   mkdir -p "$WORK/bench"
+  # shellcheck disable=SC2086
   OMP_NUM_THREADS=$THREADS python -m fairseq_pardec.benchmark "$data" --path "$ckpt" -s "$src" -t "$tgt" \
-    --generators "$@" --batch-sizes 1 32 --repeats "$REPEATS" --threads "$THREADS" \
+    --generators "$@" --batch-sizes $batches --repeats "$REPEATS" --threads "$THREADS" \
     ${BENCH_SENTENCES:+--max-sentences $BENCH_SENTENCES} "${DEVICE_FLAGS[@]}" --no-progress \
     --out-dir "$out.tmp" > "$out.log" 2>&1 || { tail -5 "$out.log" >&2; fail "benchmark $name (log: $out.log)"; }
   rm -rf "$out" && mv "$out.tmp" "$out"
@@ -174,6 +176,22 @@ bench ddtp-de-en "$DDTP/bin" "$VERIFIER" de en \
   "blockwise:label=blockwise-finetune-k6-top2,blockwise_topk=2,path=$D/blockwise-finetune-k6/checkpoint_best.pt" \
   "${ibspecs[@]}"
 bench ua-gec "$UAGEC/bin" "$WORK/gec/model/checkpoint_best.pt" src tgt beam:beam=5 greedy iad
+
+# GAD block-size sweep at batch 1 (the GAD paper's Table 2), and its faster GAD++ setting
+sweep=(greedy "gad:label=gad++top5-tau3-k25,drafter_path=$D/drafter/checkpoint_best.pt,block_size=25,gad_beta=5,gad_tau=3.0")
+for k in 5 10 15 25; do
+  sweep+=("gad:label=gad++top3-tau1-k$k,drafter_path=$D/drafter/checkpoint_best.pt,block_size=$k,gad_beta=3,gad_tau=1.0")
+done
+BATCHES=1 bench ddtp-gad-sweep "$DDTP/bin" "$VERIFIER" de en "${sweep[@]}"
+
+# IBDecoder ablations (the IBDecoder paper's Table 2): the standard causal mask, flat positions
+ablation_mask()      { ibtrain ablation-vanilla-mask --ib-directions 2 --ib-words-per-direction 1 --ib-positions signed --ib-vanilla-mask; }
+ablation_positions() { ibtrain ablation-vanilla-positions --ib-directions 2 --ib-words-per-direction 1 --ib-positions vanilla; }
+together ablation_mask ablation_positions
+BATCHES=1 bench ddtp-ib-ablations "$DDTP/bin" "$VERIFIER" de en beam:label=beam4,beam=4 \
+  "beam:label=ibdecoder-b4,beam=4,path=$D/ibdecoder/checkpoint_best.pt" \
+  "beam:label=ablation-vanilla-mask-b4,beam=4,path=$D/ablation-vanilla-mask/checkpoint_best.pt" \
+  "beam:label=ablation-vanilla-positions-b4,beam=4,path=$D/ablation-vanilla-positions/checkpoint_best.pt"
 
 # ---------------------------------------------------------------- 7. page
 PAGE=${RESULTS_PAGE:-$WORK/results.md}

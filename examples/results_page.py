@@ -96,6 +96,20 @@ def table(result, spec, score_name):
     return "\n".join(out)
 
 
+def simple_table(result, reference):
+    rows = result["rows"]
+    ref = {r["batch_size"]: r for r in rows if r["generator"] == reference}
+    out = ["| generator | batch | BLEU | chrF | sent/s | x %s | tokens/iter | iters/sent | = greedy |" % reference,
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        base = ref.get(r["batch_size"])
+        speed = "%.2f" % (base["wall_time_s"] / r["wall_time_s"]) if base else ""
+        out.append("| %s | %d | %.2f | %.2f | %.1f | %s | %.2f | %.1f | %s |" % (
+            r["generator"], r["batch_size"], r["bleu"], r["chrf"], r["sentences_per_s"], speed,
+            r["mean_accepted_tokens"], r["iterations_per_sentence"], identical(r)))
+    return "\n".join(out)
+
+
 def main(work, preset, out_md):
     out_dir = os.path.dirname(os.path.abspath(out_md))
     os.makedirs(out_dir, exist_ok=True)
@@ -124,6 +138,22 @@ def main(work, preset, out_md):
             "",
             table(result, spec, score), "",
             "![quality vs speed](%s)" % png, ""]))
+    for name, title, reference, paper in (
+        ("ddtp-gad-sweep", "GAD++ block-size sweep (ddtp-de-en, batch 1)", "greedy",
+         "GAD paper Table 2 (GAD++ top-3, tau 1, WMT14 dev, over beam-5): k=10 5.97 tokens/iter 3.04x; "
+         "k=15 6.74 3.47x; k=25 7.56 3.79x; k=30 7.44 3.63x."),
+        ("ddtp-ib-ablations", "IBDecoder ablations (ddtp-de-en, beam 4, batch 1)", "beam4",
+         "IBDecoder paper Table 2 compares the relaxed mask M(2,1) and signed positions with the "
+         "standard causal mask and flat positions (WMT14 En-De)."),
+    ):
+        path = os.path.join(work, "bench", name, "results.json")
+        if not os.path.exists(path):
+            parts.append("## %s\n\nNot measured yet (no %s).\n" % (title, path))
+            continue
+        result = json.load(open(path))
+        parts.append("## %s\n\n%s %d sentences, median of %d runs, commit `%s`.\n\n%s\n" % (
+            title, paper, result["meta"]["sentences"], result["meta"]["repeats"], result["meta"]["commit"],
+            simple_table(result, reference)))
     notes = os.path.join(work, "NOTES.md")  # optional, written by whoever ran it: what was special
     if os.path.exists(notes):
         parts.insert(0, "## Notes on this run\n\n" + open(notes).read().strip() + "\n")
