@@ -259,7 +259,7 @@ def run(args):
     rows = []
     for batch_size in args.batch_sizes:
         samples = batches(task, model, dataset, batch_size, args.max_sentences, use_cuda, utils)
-        generators = {spec[0]: build(task, models[spec_path(spec, args)], spec, args) for spec in specs}
+        generators = {spec[0]: build(task, models[paths[spec[0]]], spec, args) for spec in specs}
         warm = samples[: max(1, args.warmup_sentences // batch_size)]
         for label, generator in generators.items():  # warm-up (caches, allocator, threads)
             decode(task, models[paths[label]], generator, warm)
