@@ -13,10 +13,11 @@
 #   5. models     on the distilled data: GLAT drafter (encoder from the verifier); blockwise
 #                 frozen (identity p_1, k=4) and fine-tuned (k=6) from the verifier; IBDecoder
 #                 (h=2), +SA (h=2, c=2), IMDecoder (h=4), double-token, vanilla SA (h=1, c=2),
-#                 each started from the teacher's parameters
+#                 each started from the teacher's parameters; the IBDecoder ablations (standard
+#                 mask, flat positions); blockwise Table 1 (examples/translation/blockwise.sh)
 #   6. benchmark  ddtp test: greedy, beam 4/5, gad, gad++, blockwise x2, the IBDecoder family at
 #                 beam 1 and 4 -- one process, batch 1 and 32; UA-GEC test: beam 5, greedy, iad;
-#                 then the GAD block-size sweep and the IBDecoder ablations (two more models)
+#                 then the GAD block-size sweep, the IBDecoder ablations, blockwise Table 1
 #   7. page       results page RESULTS_PAGE (default WORK/results.md; docs/results.md is one) and
 #                 its quality-vs-speed PNGs, from the benchmark JSON
 #
@@ -25,11 +26,12 @@
 # log is next to its output.
 #
 # Presets
-#   cpu  d256 3+3-layer models with a time budget each (fairseq --stop-time-hours): teacher and
-#        GEC model 60 min, verifier, drafter and IBDecoder models 20 min, blockwise 10 min; two
+#   cpu  d256 3+3-layer models with a time budget each (fairseq --stop-time-hours): teacher, GEC
+#        model and drafter 60 min, verifier and IBDecoder models 20 min, blockwise 10 min; two
 #        trainings at a time with one thread each (2 cores); benchmark on BENCH_SENTENCES=200
-#        test sentences, 2 threads. With two at a time the budgets take about 2.3 hours, plus data
-#        preparation, distillation and benchmarking, under 6 hours on 2 cores.
+#        test sentences (the batch-1 sweeps on SWEEP_SENTENCES=100), 2 threads. With two at a
+#        time the budgets take about 3 hours, plus data preparation, distillation and
+#        benchmarking (about 2 hours), under 7 hours on 2 cores.
 #   gpu  paper-sized models (transformer_base sizes, fp16, up to 100k updates each, patience 10),
 #        one training at a time, whole test sets, benchmark in fp16.
 # Environment: WORK (default reproduce-<preset>), BENCH_SENTENCES, REPEATS (default 3),
@@ -49,9 +51,11 @@ THREADS=${THREADS:-2}
 REPEATS=${REPEATS:-3}
 if [ "$PRESET" = cpu ]; then
   PAR=2 BENCH_SENTENCES=${BENCH_SENTENCES:-200} DEVICE_FLAGS=(--cpu) CPU_ENV=(CPU=1)
-  BIG=60 MID=20 SMALL=10 ANNEAL=1000   # the glancing ratio anneals within the 20-minute budget
+  BIG=60 MID=20 SMALL=10 ANNEAL=1000   # the glancing ratio anneals within the drafter's budget
+  SWEEP_SENTENCES=${SWEEP_SENTENCES:-100}  # the batch-1 sweeps decode each sentence 9-12 times
 else
   PAR=1 BENCH_SENTENCES=${BENCH_SENTENCES:-} DEVICE_FLAGS=(--fp16) CPU_ENV=()
+  SWEEP_SENTENCES=${SWEEP_SENTENCES:-$BENCH_SENTENCES}
   ANNEAL=100000
 fi
 export PRESET
@@ -115,7 +119,9 @@ verifier() { local budget=${MID:-}
              [ -n "$budget" ] && budget=$(( $(trained_minutes "$D/teacher/checkpoint_best.pt") + MID ))
              train verifier "$DIST" "$D/verifier" "$budget" de en transformer -- \
                --finetune-from-model "$D/teacher/checkpoint_best.pt"; }
-drafter()  { train drafter "$DIST" "$D/drafter" "${MID:-}" de en glat_drafter -- \
+# The drafter gets the long budget: a non-autoregressive drafter learns slowest, and GAD's speed
+# is its mean accepted length.
+drafter()  { train drafter "$DIST" "$D/drafter" "${BIG:-}" de en glat_drafter -- \
                --criterion glat_loss --drafter-block-size 25 --init-from-verifier "$VERIFIER" \
                --glat-anneal-updates "$ANNEAL"; }
 blockwise_frozen() { train blockwise-frozen-k4 "$DIST" "$D/blockwise-frozen-k4" "${SMALL:-}" de en blockwise_transformer -- \
@@ -142,12 +148,33 @@ distill() {
     "$DDTP/bpe" "$D/distilled" de en > "$D/distill.log" 2>&1 || fail "distill (log: $D/distill.log)"
 }
 
+# IBDecoder ablations (the IBDecoder paper's Table 2): the standard causal mask, flat positions
+ablation_mask()      { ibtrain ablation-vanilla-mask --ib-directions 2 --ib-words-per-direction 1 --ib-positions signed --ib-vanilla-mask; }
+ablation_positions() { ibtrain ablation-vanilla-positions --ib-directions 2 --ib-words-per-direction 1 --ib-positions vanilla; }
+ablations() { ablation_mask; ablation_positions; }
+# Blockwise Table 1 (examples/translation/blockwise.sh): frozen / fine-tuned x regular / distilled
+# data; on the CPU one model with 10 heads per cell, decoded at k = 2..10 (SHARED_HEADS=1, heads
+# trained on the mean over heads), the paper's one model per k with the gpu preset.
+blockwise_sweep() {  # MODES BENCH(0: train only) THREADS LOG
+  local shared=1 log=$WORK/blockwise-$4.log; [ "$PRESET" = gpu ] && shared=0
+  log "blockwise sweep: $1, $([ "$2" = 1 ] && echo benchmark || echo train) (log: $log)"
+  env SHARED_HEADS=$shared MODES="$1" BENCH="$2" MAX_MINUTES="${SMALL:-}" THREADS="$3" \
+    BENCH_SENTENCES="${SWEEP_SENTENCES:-}" REPEATS="$REPEATS" DISTILLED_BASE="$VERIFIER" \
+    bash "$HERE/examples/translation/blockwise.sh" "$DDTP/bin" "$D/teacher/checkpoint_best.pt" "$DIST" \
+    "$WORK/blockwise" > "$log" 2>&1 || { tail -5 "$log" >&2; fail "blockwise.sh (log: $log)"; }
+}
+blockwise_sweep_frozen()   { blockwise_sweep frozen 0 1 train-frozen; }
+blockwise_sweep_finetune() { blockwise_sweep finetune 0 1 train-finetune; }
+
+ib_middle() { ib_sa; imdecoder; ablations; }   # next to the drafter, whose budget is 3x theirs
+ib_last()   { double_token; vanilla_sa; }
+
 together teacher gec
 OMP_NUM_THREADS=$THREADS distill
 together verifier ib
-together drafter ib_sa
-together blockwise_both imdecoder
-together double_token vanilla_sa
+together drafter ib_middle
+together blockwise_both ib_last
+together blockwise_sweep_frozen blockwise_sweep_finetune
 
 # ---------------------------------------------------------------- 6. benchmarks
 bench() {  # NAME DATA_BIN CKPT SRC TGT generator specs...   (BATCHES: batch sizes, default "1 32")
@@ -177,21 +204,19 @@ bench ddtp-de-en "$DDTP/bin" "$VERIFIER" de en \
   "${ibspecs[@]}"
 bench ua-gec "$UAGEC/bin" "$WORK/gec/model/checkpoint_best.pt" src tgt beam:beam=5 greedy iad
 
-# GAD block-size sweep at batch 1 (the GAD paper's Table 2), and its faster GAD++ setting
+# GAD block-size sweep at batch 1 (the GAD paper's Table 2 is GAD++ top-3, tau 1), lossless GAD
+# at the same k, and a looser GAD++
 sweep=(greedy "gad:label=gad++top5-tau3-k25,drafter_path=$D/drafter/checkpoint_best.pt,block_size=25,gad_beta=5,gad_tau=3.0")
 for k in 5 10 15 25; do
-  sweep+=("gad:label=gad++top3-tau1-k$k,drafter_path=$D/drafter/checkpoint_best.pt,block_size=$k,gad_beta=3,gad_tau=1.0")
+  sweep+=("gad:label=gad-k$k,drafter_path=$D/drafter/checkpoint_best.pt,block_size=$k"
+          "gad:label=gad++top3-tau1-k$k,drafter_path=$D/drafter/checkpoint_best.pt,block_size=$k,gad_beta=3,gad_tau=1.0")
 done
-BATCHES=1 bench ddtp-gad-sweep "$DDTP/bin" "$VERIFIER" de en "${sweep[@]}"
-
-# IBDecoder ablations (the IBDecoder paper's Table 2): the standard causal mask, flat positions
-ablation_mask()      { ibtrain ablation-vanilla-mask --ib-directions 2 --ib-words-per-direction 1 --ib-positions signed --ib-vanilla-mask; }
-ablation_positions() { ibtrain ablation-vanilla-positions --ib-directions 2 --ib-words-per-direction 1 --ib-positions vanilla; }
-together ablation_mask ablation_positions
+BATCHES=1 BENCH_SENTENCES=$SWEEP_SENTENCES bench ddtp-gad-sweep "$DDTP/bin" "$VERIFIER" de en "${sweep[@]}"
 BATCHES=1 bench ddtp-ib-ablations "$DDTP/bin" "$VERIFIER" de en beam:label=beam4,beam=4 \
   "beam:label=ibdecoder-b4,beam=4,path=$D/ibdecoder/checkpoint_best.pt" \
   "beam:label=ablation-vanilla-mask-b4,beam=4,path=$D/ablation-vanilla-mask/checkpoint_best.pt" \
   "beam:label=ablation-vanilla-positions-b4,beam=4,path=$D/ablation-vanilla-positions/checkpoint_best.pt"
+blockwise_sweep "frozen finetune" 1 "$THREADS" bench   # BLEU, mean accepted block, speedup per k
 
 # ---------------------------------------------------------------- 7. page
 PAGE=${RESULTS_PAGE:-$WORK/results.md}

@@ -2,7 +2,7 @@
 
 usage: python examples/results_page.py WORK PRESET OUT_MD
 
-Reads WORK/bench/{ddtp-de-en,ua-gec}/results.json, WORK/reproduce.log and, if present,
+Reads WORK/bench/*/results.json, WORK/blockwise/bench-*/results.json, WORK/reproduce.log and, if present,
 WORK/NOTES.md (the runner's remarks on the run, included verbatim), copies the
 quality-vs-speed plots next to OUT_MD and prints nothing but errors. Every number on the page comes
 from those files; the paper column is the papers' own headline, quoted with its setting.
@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import sys
+
+from blockwise_table import markdown as blockwise_markdown
 
 # label prefix -> (method, flags, the paper's corresponding headline, why ours can differ)
 DDTP_ROWS = [
@@ -154,6 +156,14 @@ def main(work, preset, out_md):
         parts.append("## %s\n\n%s %d sentences, median of %d runs, commit `%s`.\n\n%s\n" % (
             title, paper, result["meta"]["sentences"], result["meta"]["repeats"], result["meta"]["commit"],
             simple_table(result, reference)))
+    blockwise = blockwise_markdown(os.path.join(work, "blockwise"))
+    parts.append("## Blockwise parallel decoding, Stern et al. Table 1 (ddtp-de-en, batch 1)\n\n%s\n" % (
+        "Every model starts from a base (regular data: the teacher; distilled data: the verifier); frozen = "
+        "base frozen, identity p_1, so blockwise is identical to the base's greedy; finetune = all parameters "
+        "trained. k = block size at decoding time; speedup and BLEU against the same model's greedy (p_1 "
+        "alone); overhead efficiency = speedup / mean accepted block. From `WORK/blockwise` "
+        "(examples/translation/blockwise.sh).\n\n" + blockwise if blockwise else
+        "Not measured yet (no %s)." % os.path.join(work, "blockwise", "bench-*")))
     notes = os.path.join(work, "NOTES.md")  # optional, written by whoever ran it: what was special
     if os.path.exists(notes):
         parts.insert(0, "## Notes on this run\n\n" + open(notes).read().strip() + "\n")
