@@ -137,3 +137,18 @@ def test_drafter_inputs_layout(copy_model):
     unk, pad = d.unk(), d.pad()
     assert tokens.tolist() == [[2, 7, 8, 9, unk, unk, unk], [2, 5, unk, unk, unk, pad, pad]]
     assert slots.tolist() == [[4, 5, 6], [2, 3, 4]]
+
+
+def test_slot_logits_equal_full_decode_at_the_slots(copy_model):
+    verifier, d, make_sample = copy_model
+    model = drafter_model(make_task(d), k=3, seed=3)
+    sample = make_sample(4, seed=11)
+    net = sample["net_input"]
+    encoder_out = model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
+    prefixes = torch.cat([torch.full((4, 1), d.eos()), sample["target"]], 1)
+    tokens, slots = model.draft_inputs(prefixes, torch.tensor([0, 1, 2, 3]), 3)
+    with torch.no_grad():
+        full = model.decode(tokens, encoder_out)[0]
+        expect = full.gather(1, slots.unsqueeze(-1).expand(-1, -1, full.size(-1)))
+        got = model.slot_logits(tokens, slots, encoder_out)
+    torch.testing.assert_close(got, expect)

@@ -80,8 +80,7 @@ class GlatLoss(FairseqCriterion):
         glanced = torch.zeros_like(real)
         if ratio > 0:
             with torch.no_grad():
-                logits = model.decode(tokens, encoder_out)[0]
-                pred = logits.gather(1, slots.unsqueeze(-1).expand(-1, -1, logits.size(-1))).argmax(-1)
+                pred = model.slot_logits(tokens, slots, encoder_out).argmax(-1)
             wrong = (pred.ne(labels) & real).sum(1)
             n_glance = (wrong.float() * ratio).long()
             # n_glance random real slots per row: rank random scores, padding slots last
@@ -90,8 +89,7 @@ class GlatLoss(FairseqCriterion):
             glanced = rank < n_glance.unsqueeze(1)
             slot_tokens = tokens.gather(1, slots)
             tokens = tokens.scatter(1, slots, torch.where(glanced, labels, slot_tokens))
-        logits = model.decode(tokens, encoder_out)[0]
-        logits = logits.gather(1, slots.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
+        logits = model.slot_logits(tokens, slots, encoder_out)
         lprobs = torch.log_softmax(logits.float(), dim=-1)
         use = real & ~glanced
         loss, nll_loss = label_smoothed_nll_loss(

@@ -217,8 +217,7 @@ class NARDrafter(Drafter):
             self.active_encoder_out = self.model.encoder.reorder_encoder_out(self.encoder_out, rows)
             self.rows = rows
         inputs, slots = self.model.draft_inputs(tokens, n_out, self.k)
-        logits = self.model.decode(inputs, self.active_encoder_out)[0]
-        logits = logits.gather(1, slots.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
+        logits = self.model.slot_logits(inputs, slots, self.active_encoder_out)
         logits[..., self.pad] = float("-inf")
         draft = logits.argmax(dim=-1)
         cols = torch.arange(self.k, device=draft.device).unsqueeze(0)

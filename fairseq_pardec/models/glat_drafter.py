@@ -87,6 +87,14 @@ class GlatDrafterModel(TransformerModel):
         """(B, T) [BOS, prefix, masks, pad...] -> (B, T, V) logits, no causal mask."""
         return self.decoder(tokens, encoder_out=encoder_out, full_context_alignment=True)
 
+    def slot_logits(self, tokens, slots, encoder_out):
+        """Logits (B, k, V) at the mask slots only: the vocabulary projection of the prefix
+        positions, which nobody reads, is skipped (about half of it with a long prefix)."""
+        features = self.decoder(tokens, encoder_out=encoder_out, full_context_alignment=True,
+                                features_only=True)[0]
+        features = features.gather(1, slots.unsqueeze(-1).expand(-1, -1, features.size(-1)))
+        return self.decoder.output_layer(features)
+
     def draft_inputs(self, prefixes, n_prefix, k):
         """Build [BOS, prefix, MASK x k] per row (right-padded) and the mask slot positions.
 
