@@ -153,8 +153,8 @@ ablation_mask()      { ibtrain ablation-vanilla-mask --ib-directions 2 --ib-word
 ablation_positions() { ibtrain ablation-vanilla-positions --ib-directions 2 --ib-words-per-direction 1 --ib-positions vanilla; }
 ablations() { ablation_mask; ablation_positions; }
 # Blockwise Table 1 (examples/translation/blockwise.sh): frozen / fine-tuned x regular / distilled
-# data; on the CPU one model with 10 heads per cell, decoded at k = 2..10 (SHARED_HEADS=1, heads
-# trained on the mean over heads), the paper's one model per k with the gpu preset.
+# data; on the CPU one model with 10 heads per cell, decoded at k = 2..10 (SHARED_HEADS=1, one
+# random head per target position), the paper's one model per k with the gpu preset.
 blockwise_sweep() {  # MODES BENCH(0: train only) THREADS LOG
   local shared=1 log=$WORK/blockwise-$4.log; [ "$PRESET" = gpu ] && shared=0
   log "blockwise sweep: $1, $([ "$2" = 1 ] && echo benchmark || echo train) (log: $log)"

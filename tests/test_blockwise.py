@@ -174,3 +174,36 @@ def test_bad_configurations(trained_heads, copy_model):
         blockwise_generator(task, model, block_size=3, min_block_size=4)
     with pytest.raises(ValueError, match="ordinal"):
         blockwise_generator(task, model, blockwise_distance=1.0)
+
+
+def test_position_head_sampling_labels_and_gradients():
+    d = make_dictionary(30)
+    task = make_task(d)
+    criterion = BlockwiseCrossEntropyCriterion(task, False, 0.0, head_sampling="position")
+    pad = d.pad()
+    target = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, pad, pad]])
+    # head h's output at every position is the constant h: the picked value names the head
+    outputs = torch.arange(4.0).view(1, 1, 4, 1).expand(2, 5, 4, 3).clone()
+    torch.manual_seed(0)
+    (picked,), (labels,) = criterion.one_head_per_position(outputs, target, heads=[1, 2, 3])
+    padded = torch.cat([target, torch.full((2, 3), pad)], 1)
+    for b in range(2):
+        for t in range(5):
+            head = int(picked[b, t, 0])
+            assert head in (1, 2, 3)
+            expect = pad if target[b, t] == pad else int(padded[b, t + head])
+            assert int(labels[b, t]) == expect
+
+    # one training step: every learned head of the proposal layer receives a gradient
+    model = blockwise_model(task, heads=4, identity=True)
+    model.train()
+    with torch.no_grad():  # zero-initialised fc2 would pass no gradient to fc1
+        model.decoder.proposal.fc2.weight.normal_(std=0.1)
+    sample = random_batch(d, [6, 5, 7, 4] * 4, seed=3)
+    sample["target"] = sample["net_input"]["src_tokens"].flip(1)  # any non-pad tokens
+    sample["target"] = torch.where(sample["target"].eq(pad), torch.full_like(sample["target"], 2), sample["target"])
+    sample["net_input"]["prev_output_tokens"] = sample["target"]
+    loss, size, _ = criterion(model, sample)
+    loss.backward()
+    grad = model.decoder.proposal.fc2.weight.grad.view(3, -1, model.decoder.proposal.fc2.weight.size(1))
+    assert size > 0 and all(float(g.abs().sum()) > 0 for g in grad)
