@@ -30,7 +30,7 @@
 #        model and drafter 60 min, verifier and IBDecoder models 20 min, blockwise 10 min; two
 #        trainings at a time with one thread each (2 cores); benchmark on BENCH_SENTENCES=200
 #        test sentences (the batch-1 sweeps on SWEEP_SENTENCES=100), 2 threads. With two at a
-#        time the budgets take about 3 hours, plus data preparation, distillation and
+#        time the budgets take about 3.7 hours, plus data preparation, distillation and
 #        benchmarking (about 2 hours), under 7 hours on 2 cores.
 #   gpu  paper-sized models (transformer_base sizes, fp16, up to 100k updates each, patience 10),
 #        one training at a time, whole test sets, benchmark in fp16.
