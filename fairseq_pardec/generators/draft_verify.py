@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .beam_one import beam_one_tokens, running_scores
 from .drafters import pad_drafts
 from .incremental import BlockDecoder
 from .stats import DecodeStats, StatsGenerator
@@ -151,7 +152,13 @@ class DraftVerifyGenerator(StatsGenerator):
             self.stats.row_iterations += b
             steps = n_out.unsqueeze(1) + cols
             forced = self._adjust(lprobs, steps, max_len, prefix)
-            verifier = lprobs.argmax(dim=-1)
+            # cumulative score before each block position, were the draft accepted up to it
+            prev = torch.where(
+                n_out > 0, cum_scores[ar, (n_out - 1).clamp(min=0)], cum_scores.new_zeros(b)
+            )
+            draft_lp = lprobs[:, :k].gather(2, draft.unsqueeze(2)).squeeze(2)
+            before = running_scores(prev, draft_lp).to(device)
+            verifier = beam_one_tokens(lprobs, before)
             verifier = torch.where(forced >= 0, forced, verifier)
 
             # 3. accept
@@ -166,11 +173,10 @@ class DraftVerifyGenerator(StatsGenerator):
             gained = torch.minimum(gained, first_eos + 1)
             keep = cols.unsqueeze(0) < gained.unsqueeze(1)
 
-            step_lp = lprobs.gather(2, new_tokens.unsqueeze(2)).squeeze(2)
-            prev = torch.where(
-                n_out > 0, cum_scores[ar, (n_out - 1).clamp(min=0)], cum_scores.new_zeros(b)
-            )
-            cum = prev.unsqueeze(1) + step_lp.masked_fill(~keep, 0).cumsum(dim=1)
+            # after the accepted draft tokens, the verifier's own token at position n_acc
+            cum = torch.cat([before[:, 1:], before.new_zeros(b, 1)], dim=1)
+            own_lp = lprobs[ar, n_acc].gather(1, new_tokens[ar, n_acc].unsqueeze(1)).squeeze(1)
+            cum[ar, n_acc] = before[ar, n_acc] + own_lp
             r_idx = ar.unsqueeze(1).expand(b, k + 1)[keep]
             c_idx = (n_out.unsqueeze(1) + cols)[keep]
             tokens[r_idx, c_idx + 1] = new_tokens[keep]

@@ -1,0 +1,48 @@
+"""The verifier's token, chosen exactly as fairseq's beam-1 search chooses it.
+
+fairseq's ``BeamSearch.step`` does not take ``argmax(log-prob)``: it takes the top candidates of
+``cumulative score + log-probs`` (``torch.topk``, k = 2 at beam 1) and continues with the first.
+Equal in exact arithmetic, not in floats: adding a cumulative score of about -30 rounds two
+log-probs a few 1e-6 apart to the same value (then ``topk``'s tie order decides) or to the
+other order. The cumulative score itself is a float32 sum rounded after every step, in order;
+``torch.cumsum`` accumulates in double on the CPU and in a parallel order on a GPU, so it is
+not the same number. This module reproduces both, for every position of a verified block.
+"""
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def running_scores(start: Tensor, step_scores: Tensor) -> Tensor:
+    """Cumulative scores rounded after every addition, as fairseq's step-by-step search has them.
+
+    Args:
+        start: (B,) score before the first step (0 at the beginning of a sentence).
+        step_scores: (B, L) the log-probability of each step's token.
+    Returns:
+        (B, L + 1) float32: ``start``, ``start + s0``, ``(start + s0) + s1``, ...
+    """
+    values = torch.cat([start.float().unsqueeze(1), step_scores.float()], dim=1)
+    if values.device.type == "cpu":
+        # numpy's accumulate is a plain left-to-right loop in the array's dtype: one call
+        return torch.from_numpy(np.add.accumulate(values.numpy(), axis=1))
+    out = values.clone()
+    for j in range(1, out.size(1)):
+        out[:, j] = out[:, j - 1] + values[:, j]
+    return out
+
+
+def beam_one_tokens(lprobs: Tensor, scores_before: Tensor) -> Tensor:
+    """fairseq's beam-1 choice at every block position.
+
+    Args:
+        lprobs: (B, L, V) adjusted log-probabilities (pad, unk penalty, min/max length applied).
+        scores_before: (B, L) cumulative score of the hypothesis before each position.
+    Returns:
+        (B, L) the first of ``topk(lprobs + score, 2)`` per position, the token that
+        ``SequenceGenerator`` continues with (or finishes with, when it is EOS).
+    """
+    candidates = lprobs + scores_before.unsqueeze(-1)
+    k = min(2, lprobs.size(-1) - 1)
+    return candidates.topk(k, dim=-1).indices[..., 0]

@@ -1,0 +1,83 @@
+"""The verifier chooses its token as fairseq's beam-1 search does, down to float rounding."""
+
+import pytest
+import torch
+from fairseq.search import BeamSearch
+
+from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.generators.beam_one import beam_one_tokens, running_scores
+
+from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
+
+
+def test_running_scores_round_after_every_step():
+    g = torch.Generator().manual_seed(0)
+    start = -30 * torch.rand(5, generator=g)
+    steps = -torch.rand(5, 40, generator=g) * 1e-3 - torch.rand(5, 40, generator=g) * 5
+    got = running_scores(start, steps)
+    for row in range(5):
+        acc = start[row].clone()
+        assert got[row, 0] == acc
+        for j in range(40):
+            acc = acc + steps[row, j]  # one float32 addition per step, as fairseq's search
+            assert got[row, j + 1] == acc, (row, j)
+
+
+def test_choice_is_beam_search_step_on_near_ties():
+    """Two log-probs within a few 1e-6 under a cumulative score of -30: argmax and fairseq differ."""
+    d = make_dictionary(20)
+    search = BeamSearch(d)
+    vocab = len(d)
+    g = torch.Generator().manual_seed(1)
+    differs = 0
+    for trial in range(200):
+        lprobs = torch.log_softmax(torch.randn(1, 1, vocab, generator=g), dim=-1)
+        top = int(lprobs.argmax())
+        other = (top + 1 + trial % (vocab - 1)) % vocab
+        lprobs[0, 0, other] = lprobs[0, 0, top] - float(torch.rand(1, generator=g)) * 4e-6
+        score = -30 - 5 * torch.rand(1, 1, 1, generator=g)
+        _, fairseq_tokens, _ = search.step(1, lprobs.clone(), score)
+        ours = beam_one_tokens(lprobs.view(1, 1, vocab), score.view(1, 1))
+        assert int(ours) == int(fairseq_tokens[0, 0]), trial
+        differs += int(fairseq_tokens[0, 0]) != top
+    assert differs > 0  # the crafted ties did separate the two rules
+
+
+def twin_vocabulary_model(seed):
+    """A tiny transformer whose every token has a twin scoring 2**-21 below it.
+
+    Adding a cumulative score below -8 (float32 spacing >= 2**-20) rounds the twins to a tie or
+    keeps them apart, so fairseq's choice differs from ``argmax`` at many steps. The logits are
+    first rounded to multiples of 2**-4: a verified block and a one-token step compute them with
+    different matrix-product kernels, which differ by ~1e-6, and the rounding takes that noise
+    out, so the test sees the choice rule alone.
+    """
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=seed)
+    decoder = model.decoder
+    project = decoder.output_layer
+    first = torch.arange(d.nspecial, len(d) - 1, 2)
+
+    def twin_logits(features):
+        logits = torch.round(project(features) * 16) / 16
+        logits[..., first + 1] = logits[..., first] - 2.0**-21
+        return logits
+
+    decoder.output_layer = twin_logits
+    return model, d
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_engine_equals_fairseq_on_near_ties(batch_size):
+    model, d = twin_vocabulary_model(seed=batch_size)
+    sample = random_batch(d, [3 + (7 * i) % 30 for i in range(batch_size)], seed=5)
+    expected = fairseq_greedy(model, d, sample, max_len_a=1.5, max_len_b=20)
+    for block_size in (None, 1):  # long copy drafts, and one-token drafts
+        generator = DraftVerifyGenerator(
+            [model], d, CopyDrafter(d, d, block_size), ExactAcceptance(), max_len_a=1.5, max_len_b=20
+        )
+        got = generator.generate([model], sample)
+        assert by_id(sample, got) == by_id(sample, expected)
+        for e, o in zip(expected, got):  # cumulative scores rounded as fairseq rounds them
+            assert torch.equal(e[0]["score"], o[0]["score"])
+            assert torch.equal(e[0]["positional_scores"], o[0]["positional_scores"])
