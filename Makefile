@@ -15,7 +15,7 @@ $(VENV)/.installed: setup.py
 	$(PIP) install -q --upgrade "pip>=23" setuptools wheel
 	$(PIP) install -q "$(TORCH)" "numpy>=1.26" cython
 	$(PIP) install -q --no-build-isolation "$(FAIRSEQ)"
-	$(PIP) install -q --no-build-isolation -e ".[test]"
+	$(PIP) install -q --no-build-isolation -e ".[test,ct2]"
 	touch $@
 
 install: $(VENV)/.installed

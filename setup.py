@@ -23,6 +23,10 @@ setup(
         "matplotlib>=3.7",
         "tqdm>=4.60",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={
+        "test": ["pytest>=7"],
+        # CTranslate2 rows in the benchmark (python -m fairseq_pardec.benchmark --generators ct2)
+        "ct2": ["ctranslate2>=4.5,<5"],
+    },
     entry_points={"console_scripts": ["pardec-benchmark=fairseq_pardec.benchmark:cli_main"]},
 )

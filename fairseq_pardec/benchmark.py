@@ -112,43 +112,34 @@ def load_model(task, path, args, use_cuda):
     model = models[0]
     if args.fp16:
         model.half()
+    elif args.bf16:
+        model.to(torch.bfloat16)
     if use_cuda:
         model.cuda()
     return model.eval()
 
 
+def precision(args):
+    return "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+
+
 def batches(task, model, dataset, batch_size, max_sentences, use_cuda, utils):
-    itr = task.get_batch_iterator(
-        dataset=dataset,
-        max_sentences=batch_size,
-        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-        ignore_invalid_inputs=True,
-        required_batch_size_multiple=1,
-        # fairseq caches one iterator per dataset and would silently reuse the first batch size
-        disable_iterator_cache=True,
-    ).next_epoch_itr(shuffle=False)
+    """Length-sorted batches of ``batch_size`` sentences (the last one smaller).
+
+    The subset (the first ``max_sentences`` sentences) is chosen *before* batching, so a row at
+    batch 32 decodes batches of 32, not the members of whole-split batches that fall inside
+    the subset. Batching itself is fairseq's: its length order, size filter and collater.
+    """
+    indices = dataset.ordered_indices()
+    if max_sentences is not None:
+        indices = indices[indices < max_sentences]
+    max_positions = utils.resolve_max_positions(task.max_positions(), model.max_positions())
+    indices = task.filter_indices_by_size(indices, dataset, max_positions, ignore_invalid_inputs=True)
     out = []
-    for sample in itr:
-        if max_sentences is not None:
-            keep = sample["id"] < max_sentences
-            if not bool(keep.any()):
-                continue
-            if not bool(keep.all()):
-                sample = _select(sample, keep)
+    for batch in dataset.batch_by_size(indices, max_sentences=batch_size, required_batch_size_multiple=1):
+        sample = dataset.collater([dataset[int(i)] for i in batch])
         out.append(utils.move_to_cuda(sample) if use_cuda else sample)
     return out
-
-
-def _select(sample, keep):
-    idx = keep.nonzero().view(-1)
-    net = {k: v[idx] if torch.is_tensor(v) else v for k, v in sample["net_input"].items()}
-    return {
-        "id": sample["id"][idx],
-        "nsentences": int(idx.numel()),
-        "ntokens": sample["ntokens"],
-        "net_input": net,
-        "target": sample["target"][idx] if sample.get("target") is not None else None,
-    }
 
 
 # ---------------------------------------------------------------------- decoding
@@ -156,9 +147,11 @@ def spec_path(spec, args):
     return os.path.abspath(spec[2].get("path", args.path))
 
 
-def build(task, model, spec, defaults):
+def build(task, model, spec, defaults, use_cuda=False):
     label, name, options = spec
     options = {k: v for k, v in options.items() if k != "path"}
+    if name == "ct2":
+        return build_ct2(task, model, spec_path(spec, defaults), options, defaults, use_cuda)
     from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig
 
     task_keys = set(TranslationPardecConfig.__dataclass_fields__) - {"data"}
@@ -176,16 +169,54 @@ def build(task, model, spec, defaults):
             setattr(task.cfg, key, value)
 
 
+def build_ct2(task, model, path, options, defaults, use_cuda):
+    from . import ctranslate2_rows
+
+    ctranslate2_rows.check_options(options)
+    model_dir = ctranslate2_rows.convert(
+        model, path, defaults.data, os.path.join(defaults.out_dir, "ct2-cache"),
+        defaults.source_lang, defaults.target_lang,
+    )
+    return ctranslate2_rows.CTranslate2Generator(
+        model_dir, task.source_dictionary, task.target_dictionary,
+        beam=int(options.get("beam", 1)), compute_type=str(options.get("compute_type", "float32")),
+        threads=defaults.threads, device="cuda" if use_cuda else "cpu",
+        max_len_a=defaults.max_len_a, max_len_b=defaults.max_len_b,
+        max_positions=model.max_decoder_positions(),
+    )
+
+
 def decode(task, model, generator, samples, progress=None):
+    """Decode every batch; returns {sentence id: tokens}, the generator's statistics and the
+    number of ``generate`` calls (so that the batch size actually decoded is measured)."""
     outputs = {}
     generator.stats.reset()
+    calls = 0
     for sample in samples:
         hypos = task.inference_step(generator, [model], sample, prefix_tokens=None)
+        calls += 1
         for sid, hypo in zip(sample["id"].tolist(), hypos):
             outputs[sid] = hypo[0]["tokens"].int().cpu()
         if progress is not None:
             progress.update(len(hypos))
-    return outputs, generator.stats.as_dict()
+    stats = generator.stats.as_dict()
+    stats["generate_calls"] = calls
+    return outputs, stats
+
+
+def divergence(outputs, reference):
+    """Share of sentences identical to ``reference`` and, over the others, the mean index of the
+    first token where they differ (a length difference counts at the shorter one's end)."""
+    firsts = []
+    for sid, tokens in outputs.items():
+        ref = reference[sid]
+        if torch.equal(tokens, ref):
+            continue
+        n = min(len(tokens), len(ref))
+        differ = (tokens[:n] != ref[:n]).nonzero()
+        firsts.append(int(differ[0]) if len(differ) else n)
+    identical = 1.0 - len(firsts) / max(1, len(outputs))
+    return identical, (statistics.mean(firsts) if firsts else None)
 
 
 def to_text(task, tokens, remove_bpe):
@@ -259,7 +290,7 @@ def run(args):
     rows = []
     for batch_size in args.batch_sizes:
         samples = batches(task, model, dataset, batch_size, args.max_sentences, use_cuda, utils)
-        generators = {spec[0]: build(task, models[paths[spec[0]]], spec, args) for spec in specs}
+        generators = {spec[0]: build(task, models[paths[spec[0]]], spec, args, use_cuda) for spec in specs}
         warm = samples[: max(1, args.warmup_sentences // batch_size)]
         for label, generator in generators.items():  # warm-up (caches, allocator, threads)
             decode(task, models[paths[label]], generator, warm)
@@ -279,6 +310,7 @@ def run(args):
             row = {
                 "generator": label,
                 "batch_size": batch_size,
+                "mean_batch_size": st["sentences"] / max(1, st["generate_calls"]),
                 "sentences": st["sentences"],
                 "wall_time_s": wall,
                 "wall_times_s": times[label],
@@ -292,8 +324,9 @@ def run(args):
             }
             row.update(quality(task, outputs[label], references, args.remove_bpe))
             if greedy_label is not None:
-                same = sum(torch.equal(outputs[label][i], outputs[greedy_label][i]) for i in outputs[label])
-                row["identical_to_greedy"] = same / max(1, len(outputs[label]))
+                same, first = divergence(outputs[label], outputs[greedy_label])
+                row["identical_to_greedy"] = same
+                row["first_divergence"] = first
             rows.append(row)
         by_label = {r["generator"]: r for r in rows if r["batch_size"] == batch_size}
         for row in by_label.values():
@@ -309,7 +342,7 @@ def run(args):
         "machine": machine_description(use_cuda, args.threads),
         "threads": args.threads,
         "repeats": args.repeats,
-        "fp16": args.fp16,
+        "precision": precision(args),
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "torch": torch.__version__,
@@ -321,6 +354,7 @@ def run(args):
 COLUMNS = [
     ("generator", "generator", "%s"),
     ("batch_size", "batch", "%d"),
+    ("mean_batch_size", "mean batch", "%.1f"),
     ("bleu", "BLEU", "%.2f"),
     ("chrf", "chrF", "%.2f"),
     ("sentences_per_s", "sent/s", "%.1f"),
@@ -330,14 +364,18 @@ COLUMNS = [
     ("mean_accepted_tokens", "tokens/iter", "%.2f"),
     ("iterations_per_sentence", "iters/sent", "%.1f"),
     ("identical_to_greedy", "= greedy", "%.1f%%"),
+    ("first_divergence", "1st diff at", "%.1f"),
 ]
 
 
 def markdown(meta, rows):
     lines = [
-        "Machine: %s. Commit %s, %s, torch %s. %d sentences of `%s`, median of %d alternating "
-        "runs after warm-up." % (meta["machine"], meta["commit"], meta["date"], meta["torch"],
-                                 meta["sentences"], meta["gen_subset"], meta["repeats"]),
+        "Machine: %s. Commit %s, %s, torch %s, %s. %d sentences of `%s`, median of %d "
+        "alternating runs after warm-up. *batch*: the batch size asked for; *mean batch*: the "
+        "batch size decoded; *1st diff at*: mean token index of the first difference from "
+        "greedy, over the sentences that differ."
+        % (meta["machine"], meta["commit"], meta["date"], meta["torch"], meta["precision"],
+           meta["sentences"], meta["gen_subset"], meta["repeats"]),
         "",
         "| " + " | ".join(c[1] for c in COLUMNS) + " |",
         "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|",
@@ -389,7 +427,8 @@ def get_parser():
     p.add_argument("-t", "--target-lang", default=None)
     p.add_argument("--gen-subset", default="test")
     p.add_argument("--generators", nargs="+", default=["beam:beam=5", "greedy", "iad"],
-                   help="specs name[:key=value,...], e.g. beam:beam=5 greedy iad iad:block_size=10")
+                   help="specs name[:key=value,...], e.g. beam:beam=5 greedy iad iad:block_size=10; "
+                   "ct2[:beam=N,compute_type=T] decodes with CTranslate2 (pip install -e '.[ct2]')")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -399,7 +438,9 @@ def get_parser():
     p.add_argument("--max-len-b", type=int, default=10)
     p.add_argument("--remove-bpe", default="@@ ", help="BPE marker to remove before scoring")
     p.add_argument("--cpu", action="store_true")
-    p.add_argument("--fp16", action="store_true")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true", help="decode in float16 (GPU)")
+    precision.add_argument("--bf16", action="store_true", help="decode in bfloat16 (CPU or GPU)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default="benchmark-out")
     p.add_argument("--no-progress", action="store_true")

@@ -184,17 +184,79 @@ def test_benchmark_harness(cli_data, stock_checkpoint, tmp_path):
     rows = {(r["generator"], r["batch_size"]): r for r in result["rows"]}
     assert set(rows) == {(g, b) for g in ("beam2", "greedy", "iad") for b in (1, 4)}
     for b in (1, 4):
-        # the batch size is honoured: 9 sentences are 9 decoder runs at batch 1, fewer at 4
+        # the subset is chosen before batching: 9 sentences are batches of 4, 4 and 1
+        assert rows[("greedy", b)]["mean_batch_size"] == (1.0 if b == 1 else 3.0)
+        assert rows[("iad", b)]["mean_batch_size"] == (1.0 if b == 1 else 3.0)
         assert rows[("greedy", b)]["decoder_calls"] >= (9 if b == 1 else 1)
+        assert rows[("iad", b)]["first_divergence"] is None
         assert rows[("iad", b)]["identical_to_greedy"] == 1.0
         assert rows[("iad", b)]["sentences"] == 9
         assert rows[("greedy", b)]["speedup_vs_greedy"] == 1.0
         assert rows[("beam2", b)]["speedup_vs_beam"] == 1.0
     assert (out / "quality_vs_speed.png").stat().st_size > 0
-    assert "| iad | 4 |" in (out / "results.md").read_text()
-    assert "| iad | 4 |" in proc.stdout
+    assert "| iad | 4 | 3.0 |" in (out / "results.md").read_text()
+    assert "| iad | 4 | 3.0 |" in proc.stdout
     greedy1, greedy4 = rows[("greedy", 1)], rows[("greedy", 4)]
     assert greedy4["decoder_calls"] < greedy1["decoder_calls"]
+
+
+def test_benchmark_true_batch_sizes(cli_data, stock_checkpoint):
+    """A subset of 20 of the 37 test sentences at batch 8: batches of 8, 8, 4, each the shortest
+    sentences first, exactly as fairseq orders the subset by length."""
+    from fairseq_pardec import benchmark
+
+    _, data = cli_data
+    args = benchmark.get_parser().parse_args(
+        [str(data), "--path", str(stock_checkpoint / "checkpoint_last.pt"), "--cpu"])
+    task, model, _, utils = benchmark.load(args)
+    dataset = task.dataset("test")
+
+    samples = benchmark.batches(task, model, dataset, 8, 20, False, utils)
+    assert [len(s["id"]) for s in samples] == [8, 8, 4]
+    # consecutive runs of fairseq's length order of the subset (the collater re-sorts inside a batch)
+    subset = [int(i) for i in dataset.ordered_indices() if i < 20]
+    assert [sorted(s["id"].tolist()) for s in samples] == [sorted(subset[i:i + 8]) for i in (0, 8, 16)]
+
+
+def test_benchmark_ctranslate2_rows(cli_data, stock_checkpoint, tmp_path):
+    """ct2 converts the --path checkpoint once (cached) and decodes the same sentences; float32
+    greedy gives fairseq greedy's output."""
+    pytest.importorskip("ctranslate2")
+    import json
+
+    _, data = cli_data
+    out = tmp_path / "bench"
+    args = [data, "--path", stock_checkpoint / "checkpoint_last.pt", "--batch-sizes", 1, 5,
+            "--repeats", 1, "--max-sentences", 12, "--warmup-sentences", 2, "--threads", 1,
+            "--max-len-b", 12, "--no-progress", "--out-dir", out]
+    run("fairseq_pardec.benchmark", *args, "--generators", "greedy", "ct2",
+        "ct2:compute_type=int8", "ct2:beam=2")
+    rows = {(r["generator"], r["batch_size"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {(g, b) for g in ("greedy", "ct2", "ct2(compute_type=int8)", "ct2(beam=2)")
+                         for b in (1, 5)}
+    for b in (1, 5):
+        assert rows[("ct2", b)]["sentences"] == 12
+        assert rows[("ct2", b)]["identical_to_greedy"] == 1.0
+        assert rows[("ct2", b)]["mean_batch_size"] == (1.0 if b == 1 else 4.0)
+    assert len(list((out / "ct2-cache").iterdir())) == 1  # one conversion for three rows
+    for bad, needle in (("ct2:lenpen=2", "lenpen"), ("ct2:compute_type=float99", "compute_type")):
+        proc = run("fairseq_pardec.benchmark", *args, "--generators", "greedy", bad, check=False)
+        assert_clean_error(proc, needle)
+
+
+def test_benchmark_ctranslate2_missing_says_how_to_install(cli_data, stock_checkpoint, tmp_path):
+    _, data = cli_data
+    code = (
+        "import sys; sys.modules['ctranslate2'] = None\n"  # as if the extra were not installed
+        "from fairseq_pardec.benchmark import cli_main; cli_main(sys.argv[1:])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(data), "--path", str(stock_checkpoint / "checkpoint_last.pt"),
+         "--generators", "greedy", "ct2", "--batch-sizes", "1", "--repeats", "1", "--max-sentences",
+         "2", "--no-progress", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert_clean_error(proc, "pip install -e '.[ct2]'")
 
 
 def test_safe_loading_allowlist_is_what_makes_checkpoints_load(stock_checkpoint):

@@ -1,0 +1,117 @@
+"""CTranslate2 next to our generators in the benchmark (``--generators ct2 ct2:compute_type=int8``).
+
+Users who want a fairseq transformer to decode fast on a CPU today convert it to CTranslate2, so
+the benchmark shows it on the same checkpoint, sentences and batches. The ``--path`` checkpoint is
+converted once with CTranslate2's own fairseq converter (our plugin is its ``user_dir``, since a
+checkpoint trained with ``--task translation_pardec`` names our task) and cached under the
+benchmark's output folder. The length limit is fairseq's: at most
+``min(max_len_a * src_len + max_len_b, max_positions - 1)`` tokens before EOS, ``src_len`` the
+padded source length of the batch, and EOS barred at the first step (fairseq's ``--min-len 1``).
+"""
+
+import hashlib
+import os
+
+import torch
+
+from .errors import UsageError
+from .generators.stats import DecodeStats, count_hypotheses, timed
+
+INSTALL_HINT = (
+    "the ct2 generator needs CTranslate2: pip install -e '.[ct2]' (or pip install ctranslate2)"
+)
+OPTIONS = ("beam", "compute_type")
+
+
+def import_ctranslate2():
+    try:
+        import ctranslate2
+    except ImportError:
+        raise UsageError(INSTALL_HINT) from None
+    return ctranslate2
+
+
+def check_options(options):
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise UsageError(
+            "ct2 takes only %s; %s is not a CTranslate2 option here"
+            % (" and ".join(OPTIONS), ", ".join(unknown))
+        )
+
+
+def convert(model, checkpoint, data_dir, cache_root, source_lang=None, target_lang=None):
+    """Convert ``checkpoint`` (whose loaded ``model`` is given) once; returns the model folder."""
+    ctranslate2 = import_ctranslate2()
+    if type(model).__module__.startswith("fairseq_pardec"):
+        raise UsageError(
+            "ct2 converts fairseq transformers; %s is a fairseq_pardec architecture (%s) that "
+            "CTranslate2 cannot run" % (checkpoint, type(model).__name__)
+        )
+    info = os.stat(checkpoint)
+    key = "%s|%d|%d" % (os.path.abspath(checkpoint), info.st_size, info.st_mtime_ns)
+    out = os.path.join(cache_root, "ct2-" + hashlib.sha1(key.encode()).hexdigest()[:12])
+    if os.path.isfile(os.path.join(out, "model.bin")):
+        return out
+    converter = ctranslate2.converters.FairseqConverter(
+        checkpoint,
+        data_dir,
+        source_lang=source_lang,
+        target_lang=target_lang,
+        user_dir=os.path.dirname(os.path.abspath(__file__)),
+    )
+    tmp = out + ".tmp"
+    try:
+        converter.convert(tmp, force=True)
+    except (ValueError, NotImplementedError) as error:  # the converter's configuration checks
+        raise UsageError("CTranslate2 cannot convert %s: %s" % (checkpoint, str(error).splitlines()[0]))
+    os.replace(tmp, out)
+    return out
+
+
+class CTranslate2Generator:
+    """fairseq's generator interface over a ``ctranslate2.Translator``.
+
+    Times ``translate_batch`` only: turning ids into the token strings CTranslate2 takes, and
+    back, is batching work that the other rows do not pay either.
+    """
+
+    def __init__(self, model_dir, src_dict, tgt_dict, beam=1, compute_type="default",
+                 threads=1, device="cpu", max_len_a=0.0, max_len_b=200, max_positions=1024):
+        ctranslate2 = import_ctranslate2()
+        try:
+            self.translator = ctranslate2.Translator(
+                model_dir, device=device, compute_type=compute_type, inter_threads=1,
+                intra_threads=threads,
+            )
+        except ValueError as error:  # e.g. a compute type this machine does not have
+            raise UsageError("ct2: %s (option compute_type)" % str(error).splitlines()[0])
+        self.src_dict, self.tgt_dict = src_dict, tgt_dict
+        self.beam = beam
+        self.max_len_a, self.max_len_b, self.max_positions = max_len_a, max_len_b, max_positions
+        self.stats = DecodeStats()
+        skip = {src_dict.pad(), src_dict.eos()}  # CTranslate2 appends the source EOS itself
+        self._source_symbols = lambda ids: [src_dict[i] for i in ids if i not in skip]
+
+    def _target_ids(self, symbols):
+        pad = self.tgt_dict.pad()
+        ids = [pad if s == "<blank>" else self.tgt_dict.index(s) for s in symbols]
+        return torch.tensor(ids + [self.tgt_dict.eos()], dtype=torch.long)
+
+    def generate(self, models, sample, **unused):
+        src_tokens = sample["net_input"]["src_tokens"]
+        src_len = src_tokens.size(1)
+        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_positions - 1)
+        sources = [self._source_symbols(row) for row in src_tokens.tolist()]
+        with timed(self.stats, torch.device("cpu")):
+            results = self.translator.translate_batch(
+                sources, beam_size=self.beam, max_decoding_length=max_len,
+                min_decoding_length=1, max_batch_size=0,
+            )
+        hypos = [[{"tokens": self._target_ids(r.hypotheses[0])}] for r in results]
+        count_hypotheses(self.stats, hypos)
+        # one token per decoding step: a sentence takes part in as many steps as it has tokens
+        steps = max(len(h[0]["tokens"]) for h in hypos)
+        self.stats.decoder_calls += steps
+        self.stats.row_iterations += sum(len(h[0]["tokens"]) for h in hypos)
+        return hypos
