@@ -10,6 +10,10 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 from helpers import collate, make_dictionary, make_task, tiny_transformer  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); pytest -m cuda")
+
+
 @pytest.fixture(scope="session")
 def copy_model():
     """A tiny transformer trained in-process on a near-copy task (GEC-like: ~10% edits)."""
