@@ -17,10 +17,13 @@ WORKERS=$THREADS bash "$HERE/examples/data/bpe-binarize.sh" src tgt "$HERE/data/
 
 if [ ! -f "$OUT/ckpt/checkpoint_best.pt" ] || [ -n "${RETRAIN:-}" ]; then
   log "2/3 train a small transformer for ${DEMO_MINUTES:-8} minutes (stock fairseq-train)"
+  # the whole log goes to train.log; one line per epoch to the terminal
   PRESET=tiny MAX_MINUTES=${DEMO_MINUTES:-8} bash "$HERE/examples/train-transformer.sh" \
-    "$OUT/data/bin" "$OUT/ckpt" src tgt > "$OUT/train.log" 2>&1 \
+    "$OUT/data/bin" "$OUT/ckpt" src tgt 2>&1 | tee "$OUT/train.log" \
+    | { grep --line-buffered -E "\| valid on 'valid' subset" || true; } \
+    | sed -u -E "s/.*epoch 0*([0-9]+) \| valid on 'valid' subset \| loss ([0-9.]+) .*\| ppl ([0-9.]+) .*\| num_updates ([0-9]+).*/[demo] epoch \1: valid loss \2, ppl \3, \4 updates/" >&2 \
     || { tail -20 "$OUT/train.log" >&2; exit 1; }
-  grep -E "\| valid on" "$OUT/train.log" | tail -1 >&2 || true
+  [ -f "$OUT/ckpt/checkpoint_best.pt" ] || { tail -20 "$OUT/train.log" >&2; exit 1; }
 else
   log "2/3 $OUT/ckpt/checkpoint_best.pt exists (RETRAIN=1 to train again)"
 fi

@@ -10,4 +10,6 @@ from . import generators  # noqa: F401,E402
 from . import models  # noqa: F401,E402
 from . import tasks  # noqa: F401,E402
 
+compat.restore_log_level()  # after the imports above have imported fairseq
+
 __version__ = "0.1.0"

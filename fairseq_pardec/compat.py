@@ -63,3 +63,18 @@ def check_versions():
 
 check_versions()
 install_safe_checkpoint_globals()
+
+
+def restore_log_level():
+    """Undo fairseq's import-time ``logging.basicConfig(level=DEBUG)``.
+
+    ``fairseq/models/wav2vec/wav2vec2_classification.py`` sets the root logger to DEBUG when
+    fairseq is imported, so every library's debug lines print (matplotlib's font manager floods
+    the benchmark). fairseq's CLIs mean INFO (``LOGLEVEL``, default INFO): restore that.
+    """
+    import logging
+    import os
+
+    root = logging.getLogger()
+    if root.level == logging.DEBUG and os.environ.get("LOGLEVEL", "INFO").upper() != "DEBUG":
+        root.setLevel(logging.INFO)
