@@ -70,3 +70,23 @@ def test_separate_dictionaries_map_by_string_and_stop_at_unknown():
     s = torch.tensor([src.index("w1"), src.index("w2"), src.index("src_only"), src.index("w3"), src.eos()])
     drafter.start(collate(src, [s], tgt_dict=tgt), None, tgt.eos())
     assert propose(drafter, src, [], tgt=tgt) == ["w1", "w2"]
+
+
+def test_adaptive_cap_follows_each_rows_acceptance():
+    d = make_dictionary(20)
+    drafter = drafter_for(["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"], d, block_size=6)
+    drafter.adaptive = True
+    assert propose(drafter, d, []) == ["w1", "w2", "w3", "w4", "w5", "w6"]  # no history: the cap
+    drafter.observe(None, None, torch.tensor([0]))  # first draft token rejected
+    assert propose(drafter, d, ["w9"]) == []  # w9 is not in the source: no draft, no update
+    drafter.observe(None, None, torch.tensor([0]))
+    assert drafter.mean_accepted[0] == 0
+    assert propose(drafter, d, ["w9", "w2"]) == ["w3"]  # 2 * 0 + 1
+    drafter.observe(None, None, torch.tensor([1]))  # accepted: mean 0.5 -> cap 2
+    assert propose(drafter, d, ["w9", "w2", "w3"]) == ["w4", "w5"]
+    drafter.observe(None, None, torch.tensor([2]))  # mean 1.25 -> cap 3
+    assert propose(drafter, d, ["w9", "w2", "w3", "w4", "w5"]) == ["w6", "w7", "w8"]
+    # a fixed --block-size is the user's: no adaptation
+    fixed = drafter_for(["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"], d, block_size=6)
+    fixed.observe(None, None, torch.tensor([0]))
+    assert propose(fixed, d, ["w9", "w2"]) == ["w3", "w4", "w5", "w6", "w7", "w8"]

@@ -130,3 +130,14 @@ def test_empty_source_and_unk_in_draft():
     sample = collate(d, sources)
     expected = fairseq_greedy(model, d, sample, max_len_b=6)
     assert_same(sample, expected, iad(model, d, d, max_len_b=6).generate([model], sample))
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+def test_adaptive_draft_caps_are_lossless(copy_model, batch_size):
+    model, d, make_sample = copy_model
+    sample = make_sample(batch_size, seed=50 + batch_size)
+    expected = fairseq_greedy(model, d, sample, max_len_a=1.0, max_len_b=10)
+    for cap in (3, None):
+        drafter = CopyDrafter(d, d, cap, adaptive=True)
+        generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), max_len_a=1.0, max_len_b=10)
+        assert_same(sample, expected, generator.generate([model], sample))

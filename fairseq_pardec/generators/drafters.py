@@ -100,11 +100,13 @@ class CopyDrafter(Drafter):
     # about as much as one token, so there the draft is the whole remaining source, as in the paper.
     CPU_DEFAULT_BLOCK = 10
 
-    def __init__(self, src_dict, tgt_dict, block_size=None):
+    def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False):
         self.vocab_map = SourceVocabularyMap(src_dict, tgt_dict)
         self.src_pad = src_dict.pad()
         self.pad = tgt_dict.pad()
         self.block_size = block_size
+        # per-row caps from each row's recent acceptance (see _row_cap)
+        self.adaptive = adaptive
 
     def start(self, sample, encoder_out, bos: int):
         src = sample["net_input"]["src_tokens"]
@@ -123,6 +125,8 @@ class CopyDrafter(Drafter):
             self.sources.append(source)
             self.positions.append(where)
             self.last_match.append((0, 0))  # (source index, output length) of the last match
+        self.mean_accepted = [None] * len(self.sources)
+        self._drafted = None
 
 
     def _match(self, row: int, output: List[int]):
@@ -144,12 +148,25 @@ class CopyDrafter(Drafter):
             return min(candidates, key=lambda i: (abs(i - expected), i))
         return candidates[0]
 
+    def _row_cap(self, row: int, room: int) -> int:
+        """Most draft tokens for this row now.
+
+        Adaptive: twice the row's recent mean of accepted draft tokens, plus one (an exponential
+        mean, weight 1/2 on the last iteration), within the fixed cap. A row whose copies keep
+        being rejected (translation, a heavy rewrite) drafts one token, so its iterations cost
+        about a greedy step; a row that copies long runs drafts up to the cap.
+        """
+        cap = room if self.limit is None else min(room, self.limit)
+        mean = self.mean_accepted[row]
+        if self.adaptive and mean is not None:
+            cap = min(cap, int(2 * mean) + 1)
+        return cap
+
     def propose(self, rows, tokens, n_out, max_len):
-        limits = max_len.tolist()
-        if self.limit is not None:
-            limits = [min(limit, self.limit) for limit in limits]
         drafts = []
-        for row, toks, n, limit in zip(rows.tolist(), tokens.tolist(), n_out.tolist(), limits):
+        row_ids = rows.tolist()
+        for row, toks, n, room in zip(row_ids, tokens.tolist(), n_out.tolist(), max_len.tolist()):
+            limit = self._row_cap(row, room)
             output = toks[: n + 1]
             at = self._match(row, output) if limit > 0 else None
             if at is None:
@@ -157,7 +174,19 @@ class CopyDrafter(Drafter):
                 continue
             self.last_match[row] = (at, n)
             drafts.append(self.sources[row][at + 1 : at + 1 + limit])
+        self._drafted = (row_ids, [len(d) for d in drafts])
         return pad_drafts(drafts, self.pad, tokens.device)
+
+    def observe(self, rows, features, last):
+        if not self.adaptive or self._drafted is None:
+            return
+        row_ids, lengths = self._drafted
+        for row, drafted, accepted in zip(row_ids, lengths, last.tolist()):
+            if drafted:  # no draft (no match) says nothing about how well this row copies
+                mean = self.mean_accepted[row]
+                accepted = min(accepted, drafted)
+                self.mean_accepted[row] = accepted if mean is None else 0.5 * (mean + accepted)
+        self._drafted = None
 
 
 class HeadsDrafter(Drafter):
