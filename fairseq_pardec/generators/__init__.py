@@ -23,8 +23,10 @@ from .stats import DecodeStats
 def build_iad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     """Input-guided aggressive decoding: copy drafts, exact verification."""
     _refuse_lm(extra_gen_cls_kwargs, "iad")
+    # --block-size is the user's fixed cap; by default each row's cap follows its acceptance
     drafter = CopyDrafter(
-        task.source_dictionary, task.target_dictionary, block_size=task.cfg.block_size
+        task.source_dictionary, task.target_dictionary, block_size=task.cfg.block_size,
+        adaptive=task.cfg.block_size is None,
     )
     return build_draft_verify(task, models, args, drafter, ExactAcceptance(), "iad")
 

@@ -92,12 +92,14 @@ class CopyDrafter(Drafter):
     greedy decoding; the rule only changes how many tokens are accepted.
     """
 
-    # Default draft cap on the CPU. There verifying a draft costs compute per drafted token
-    # (and a batch's block is as long as its longest row's draft), so drafting the whole rest of
-    # a long source after every disagreement wastes most of the work. Measured on UA-GEC (2 cores):
-    # batch 32, 256 sentences: greedy 9.29 s, unbounded 6.81 s, cap 8: 5.22 s, cap 16: 5.60 s;
-    # batch 1, 150 sentences: unbounded 7.21 s, cap 10: 7.07 s. On a GPU a longer block costs
-    # about as much as one token, so there the draft is the whole remaining source, as in the paper.
+    # Draft cap on the CPU when --block-size is not given (each row's adaptive cap stays under
+    # it). There verifying a draft costs compute per drafted token, and a batch's block is as
+    # long as its longest row's draft. Measured with true batch sizes (UA-GEC test, first 300
+    # sentences, a d256 3+3 model after 870 updates, 2 threads, median of 3; docs/results.md):
+    # batch 1: greedy 56.3 s; fixed caps 4/8/10/16/32: 38.7/35.6/37.2/36.2/38.3 s; adaptive
+    # under 10/16/32: 32.6/34.7/35.3 s. Batch 32: greedy 6.78 s; fixed 4/8/10/16/32:
+    # 6.35/8.11/7.63/10.40/14.41 s; adaptive under 10/16/32: 7.16/7.75/8.62 s. On a GPU a longer
+    # block costs about as much as one token, so there the cap is the whole remaining source.
     CPU_DEFAULT_BLOCK = 10
 
     def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False):
