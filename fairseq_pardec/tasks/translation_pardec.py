@@ -61,8 +61,9 @@ class TranslationPardecConfig(TranslationConfig):
     block_size: Optional[int] = field(
         default=None,
         metadata={
-            "help": "draft-and-verify generators: iad: most draft tokens verified per iteration "
-            "(default: 10 on the CPU, unbounded on a GPU); blockwise: block size k counting p_1, as in the paper "
+            "help": "draft-and-verify generators: iad: a fixed cap on the draft tokens verified per "
+            "iteration (default: each row's cap follows its acceptance, under 10 on the CPU, "
+            "unbounded on a GPU); blockwise: block size k counting p_1, as in the paper "
             "(default: the model's --proposal-heads)"
         },
     )
