@@ -90,8 +90,10 @@ class CTranslate2Generator:
         self.beam = beam
         self.max_len_a, self.max_len_b, self.max_positions = max_len_a, max_len_b, max_positions
         self.stats = DecodeStats()
-        skip = {src_dict.pad(), src_dict.eos()}  # CTranslate2 appends the source EOS itself
-        self._source_symbols = lambda ids: [src_dict[i] for i in ids if i not in skip]
+        self._skip = {src_dict.pad(), src_dict.eos()}  # CTranslate2 appends the source EOS itself
+
+    def _source_symbols(self, ids):
+        return [self.src_dict[i] for i in ids if i not in self._skip]
 
     def _target_ids(self, symbols):
         pad = self.tgt_dict.pad()
