@@ -11,20 +11,14 @@ reported, not an error.
 
 import argparse
 import re
-import statistics
 import sys
+
+from fairseq_pardec.benchmark import divergence
 
 
 def hypotheses(path):
     with open(path, encoding="utf-8") as f:
         return {int(m.group(1)): m.group(2).split() for m in re.finditer(r"^H-(\d+)\t\S+\t(.*)$", f.read(), re.M)}
-
-
-def first_difference(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
 
 
 def main(argv=None):
@@ -37,13 +31,13 @@ def main(argv=None):
     if set(ref) != set(other):
         sys.exit("compare_hypotheses: error: %s and %s decode different sentences (%d vs %d)"
                  % (args.reference, args.other, len(ref), len(other)))
-    firsts = [first_difference(ref[i], other[i]) for i in ref if ref[i] != other[i]]
-    line = "identical on %d of %d sentences (%.2f%%)" % (len(ref) - len(firsts), len(ref),
-                                                       100.0 * (len(ref) - len(firsts)) / max(1, len(ref)))
-    if firsts:
-        line += "; the %d others first differ at token %.1f on average" % (len(firsts), statistics.mean(firsts))
+    identical, first = divergence(other, ref)
+    n_diff = round((1.0 - identical) * len(ref))
+    line = "identical on %d of %d sentences (%.2f%%)" % (len(ref) - n_diff, len(ref), 100.0 * identical)
+    if n_diff:
+        line += "; the %d others first differ at token %.1f on average" % (n_diff, first)
     print(line)
-    if firsts and args.strict:
+    if n_diff and args.strict:
         sys.exit("compare_hypotheses: error: outputs differ in float32 (a bug: please report it)")
 
 

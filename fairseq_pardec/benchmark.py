@@ -204,17 +204,21 @@ def decode(task, model, generator, samples, progress=None):
     return outputs, stats
 
 
+def first_difference(a, b):
+    """Index of the first position where sequences ``a`` and ``b`` differ (the shorter one's
+    length when one is a prefix of the other); None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def divergence(outputs, reference):
     """Share of sentences identical to ``reference`` and, over the others, the mean index of the
-    first token where they differ (a length difference counts at the shorter one's end)."""
-    firsts = []
-    for sid, tokens in outputs.items():
-        ref = reference[sid]
-        if torch.equal(tokens, ref):
-            continue
-        n = min(len(tokens), len(ref))
-        differ = (tokens[:n] != ref[:n]).nonzero()
-        firsts.append(int(differ[0]) if len(differ) else n)
+    first token where they differ. Values are token tensors or lists (of ids or words)."""
+    as_list = lambda x: x.tolist() if torch.is_tensor(x) else list(x)  # noqa: E731
+    firsts = [first_difference(as_list(tokens), as_list(reference[sid])) for sid, tokens in outputs.items()]
+    firsts = [f for f in firsts if f is not None]
     identical = 1.0 - len(firsts) / max(1, len(outputs))
     return identical, (statistics.mean(firsts) if firsts else None)
 
