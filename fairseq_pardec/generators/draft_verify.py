@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .beam_one import beam_one_tokens, running_scores
 from .drafters import pad_drafts
-from .incremental import BlockDecoder
+from .lean_decoder import block_decoder_for
 from .stats import DecodeStats, StatsGenerator
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class DraftVerifyGenerator(StatsGenerator):
         unk_penalty: float = 0.0,
         temperature: float = 1.0,
         compact_holes: float = 0.5,
+        lean: bool = True,
     ):
         if len(models) != 1:
             raise ValueError(
@@ -60,7 +61,7 @@ class DraftVerifyGenerator(StatsGenerator):
         if temperature <= 0:
             raise ValueError("--temperature must be greater than 0")
         self.model = models[0]
-        self.block_decoder = BlockDecoder(self.model.decoder)
+        self.block_decoder = block_decoder_for(self.model.decoder, lean)
         self.tgt_dict = tgt_dict
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.vocab_size = len(tgt_dict)
@@ -131,7 +132,7 @@ class DraftVerifyGenerator(StatsGenerator):
         rows = torch.arange(bsz, device=device)  # active row -> row of the batch
         prefix = prefix_tokens
         finalized = [[] for _ in range(bsz)]
-        state = {}
+        state = blocks.new_state()
 
         while rows.numel() > 0:
             b = rows.numel()

@@ -76,6 +76,10 @@ class BlockDecoder:
         self.padding_idx = decoder.padding_idx
         self.self_attns = [layer.self_attn for layer in decoder.layers]
 
+    def new_state(self) -> IncrementalState:
+        """An empty decoder state for one batch (fairseq's incremental-state dictionary)."""
+        return {}
+
     # ------------------------------------------------------------------ embeddings
     def _position_embeddings(self, positions: Tensor) -> Optional[Tensor]:
         """Rows of fairseq's own position table for explicit (already offset) positions."""

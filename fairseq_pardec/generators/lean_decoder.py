@@ -1,0 +1,294 @@
+"""A lean block step for plain fairseq Transformer decoders: fairseq's arithmetic, less Python.
+
+:class:`~fairseq_pardec.generators.incremental.BlockDecoder` runs a block through fairseq's own
+modules. Per decoder layer that is a few dozen ``nn.Module`` calls, incremental-state dictionary
+lookups, float padding masks concatenated and converted per layer, head-averaged attention
+weights nobody reads; at batch 1 on a CPU this framework work costs more than the matrix
+products (docs/results.md, "Where an iteration's time goes").
+
+:class:`LeanBlockDecoder` performs, for the layers it supports, the *same* tensor operations with
+the same shapes and in the same order as ``TransformerDecoderLayerBase.forward`` and
+``MultiheadAttention.forward`` in incremental mode (projections, in-place scaling, ``bmm``,
+additive causal mask, ``masked_fill`` of padded keys, float32 softmax, ``bmm``, output
+projection, residual, layer norm), so its features are bit for bit those of the module path
+(tests/test_lean_decoder.py). What it drops is only bookkeeping:
+
+* the cache is one object (:class:`LeanCache`) with per-layer key/value tensors in the layout
+  ``MultiheadAttention`` uses for its ``bmm`` (batch x heads, time, head dim), one boolean
+  padding mask shared by all layers, and the encoder keys/values projected once per batch;
+* padding masks are applied only when a row has masked cache entries or a ragged block
+  (``masked_fill`` with nothing to fill changes nothing), the causal mask only for blocks longer
+  than one token (a single query sees the whole cache);
+* no attention weights are averaged for output.
+
+Layers with options it does not replicate (NormFormer's extra norms and head scales, bias_kv,
+zero attention, xformers, subclasses overriding ``forward``) keep the module path:
+:func:`lean_supported` says which.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq.modules import MultiheadAttention
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+
+from .incremental import BlockDecoder, check_supported_decoder
+
+
+def _plain_attention(attn) -> bool:
+    return (
+        type(attn).forward is MultiheadAttention.forward
+        and attn.bias_k is None
+        and attn.bias_v is None
+        and not attn.add_zero_attn
+        and not getattr(attn, "use_xformers", False)
+        and not attn.onnx_trace
+        and attn.q_proj.bias is not None
+    )
+
+
+def lean_supported(decoder) -> bool:
+    """True when every layer of ``decoder`` is a plain Transformer decoder layer."""
+    if len(decoder.layers) == 0:
+        return False
+    for layer in decoder.layers:
+        if type(layer).forward is not TransformerDecoderLayerBase.forward:
+            return False
+        if any(
+            getattr(layer, name, None) is not None
+            for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid")
+        ):
+            return False
+        if layer.cross_self_attention or layer.encoder_attn is None:
+            return False
+        if not (_plain_attention(layer.self_attn) and _plain_attention(layer.encoder_attn)):
+            return False
+    return True
+
+
+class LeanCache:
+    """Decoder state of one batch for :class:`LeanBlockDecoder`.
+
+    keys/values[i]: (B * heads, T, head_dim) of layer i's self-attention, T = cached steps.
+    masked: (B, T) True for entries a row must not attend to (rolled-back holes), or None when
+    no row has any. enc_keys/enc_values[i]: layer i's projected encoder output (B * heads, S,
+    head_dim); enc_pad: (B, S) source padding or None.
+    """
+
+    def __init__(self):
+        self.keys: List[Tensor] = []
+        self.values: List[Tensor] = []
+        self.masked: Optional[Tensor] = None
+        self.enc_keys: List[Tensor] = []
+        self.enc_values: List[Tensor] = []
+        self.enc_pad: Optional[Tensor] = None
+        self.batch = 0
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].size(1) if self.keys else 0
+
+
+class LeanBlockDecoder(BlockDecoder):
+    """:class:`BlockDecoder` with the lean step; same interface, a :class:`LeanCache` as state."""
+
+    def __init__(self, decoder):
+        super().__init__(decoder)
+        self.layers = list(decoder.layers)
+        self.heads = self.layers[0].self_attn.num_heads if self.layers else 1
+
+    def new_state(self) -> LeanCache:
+        return LeanCache()
+
+    # ------------------------------------------------------------------ forward
+    def _project_encoder(self, cache: LeanCache, encoder_out, bsz: int):
+        enc, enc_pad = None, None
+        if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
+            enc = encoder_out["encoder_out"][0]
+        if encoder_out is not None and len(encoder_out["encoder_padding_mask"]) > 0:
+            enc_pad = encoder_out["encoder_padding_mask"][0]
+        # fairseq's encoder mask is applied only where it masks something (same values)
+        cache.enc_pad = enc_pad.bool() if enc_pad is not None and bool(enc_pad.any()) else None
+        for layer in self.layers:
+            attn = layer.encoder_attn
+            k = attn.k_proj(enc)
+            v = attn.v_proj(enc)
+            cache.enc_keys.append(k.contiguous().view(-1, bsz * attn.num_heads, attn.head_dim).transpose(0, 1))
+            cache.enc_values.append(v.contiguous().view(-1, bsz * attn.num_heads, attn.head_dim).transpose(0, 1))
+        cache.batch = bsz
+
+    def _attend(self, attn, q: Tensor, k: Tensor, v: Tensor, bsz: int, length: int,
+                causal: Optional[Tensor], masked: Optional[Tensor]) -> Tensor:
+        """Scaled dot-product attention exactly as ``MultiheadAttention.forward`` computes it."""
+        src_len = k.size(1)
+        weights = torch.bmm(q, k.transpose(1, 2))
+        if causal is not None:
+            weights += causal.unsqueeze(0)
+        if masked is not None:
+            weights = weights.view(bsz, -1, length, src_len).masked_fill(
+                masked.unsqueeze(1).unsqueeze(2), float("-inf")
+            ).view(-1, length, src_len)
+        probs = F.softmax(weights, dim=-1, dtype=torch.float32).type_as(weights)
+        out = torch.bmm(probs, v)
+        return attn.out_proj(out.transpose(0, 1).contiguous().view(length, bsz, attn.embed_dim))
+
+    def forward_block(self, tokens, start, block_pad, encoder_out, cache: LeanCache):
+        dec = self.decoder
+        bsz, length = tokens.size()
+        if not cache.enc_keys:
+            self._project_encoder(cache, encoder_out, bsz)
+        steps = start.unsqueeze(1) + torch.arange(length, device=tokens.device)
+        ragged = bool(block_pad.any())
+        positions = steps + self.padding_idx + 1
+        if ragged:
+            positions = positions.masked_fill(block_pad, self.padding_idx + 1)
+            tokens = tokens.masked_fill(block_pad, self.padding_idx)
+        x = self.embed(tokens, positions).transpose(0, 1)
+
+        cached = cache.length
+        causal = None
+        if length > 1:
+            causal = x.new_zeros(length, cached + length)
+            causal[:, cached:] = torch.triu(x.new_full((length, length), float("-inf")), diagonal=1)
+        masked = cache.masked
+        if ragged or masked is not None:
+            if masked is None:
+                masked = block_pad.new_zeros(bsz, cached)
+            masked = torch.cat([masked, block_pad], dim=1)
+        cache.masked = masked
+
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            heads, head_dim = attn.num_heads, attn.head_dim
+            residual = x
+            if layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+            q = attn.q_proj(x)
+            k = attn.k_proj(x)
+            v = attn.v_proj(x)
+            q *= attn.scaling
+            q = q.contiguous().view(length, bsz * heads, head_dim).transpose(0, 1)
+            k = k.contiguous().view(-1, bsz * heads, head_dim).transpose(0, 1)
+            v = v.contiguous().view(-1, bsz * heads, head_dim).transpose(0, 1)
+            if cached:
+                k = torch.cat([cache.keys[i], k], dim=1)
+                v = torch.cat([cache.values[i], v], dim=1)
+                cache.keys[i], cache.values[i] = k, v
+            else:
+                cache.keys.append(k)
+                cache.values.append(v)
+            x = self._attend(attn, q, k, v, bsz, length, causal, masked)
+            x = residual + x
+            if not layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+
+            cross = layer.encoder_attn
+            residual = x
+            if layer.normalize_before:
+                x = layer.encoder_attn_layer_norm(x)
+            q = cross.q_proj(x)
+            q *= cross.scaling
+            q = q.contiguous().view(length, bsz * cross.num_heads, cross.head_dim).transpose(0, 1)
+            x = self._attend(cross, q, cache.enc_keys[i], cache.enc_values[i], bsz, length,
+                             None, cache.enc_pad)
+            x = residual + x
+            if not layer.normalize_before:
+                x = layer.encoder_attn_layer_norm(x)
+
+            residual = x
+            if layer.normalize_before:
+                x = layer.final_layer_norm(x)
+            x = layer.fc2(layer.activation_fn(layer.fc1(x)))
+            x = residual + x
+            if not layer.normalize_before:
+                x = layer.final_layer_norm(x)
+        if dec.layer_norm is not None:
+            x = dec.layer_norm(x)
+        x = x.transpose(0, 1)
+        if dec.project_out_dim is not None:
+            x = dec.project_out_dim(x)
+        return x
+
+    # ------------------------------------------------------------------ cache surgery
+    def cache_length(self, cache: LeanCache) -> int:
+        return cache.length
+
+    def valid_mask(self, cache: LeanCache) -> Optional[Tensor]:
+        if not cache.keys:
+            return None
+        if cache.masked is None:
+            return torch.ones(cache.batch, cache.length, dtype=torch.bool, device=cache.keys[0].device)
+        return ~cache.masked
+
+    def rollback(self, cache: LeanCache, block_len: int, keep: Tensor):
+        total = cache.length
+        first = total - block_len
+        kept_cols = int(keep.max()) if keep.numel() else 0
+        new_total = first + kept_cols
+        if bool((keep < kept_cols).any()):  # rows keeping fewer entries leave masked holes
+            cols = torch.arange(block_len, device=keep.device)
+            drop = cols.unsqueeze(0) >= keep.unsqueeze(1)
+            masked = cache.masked
+            if masked is None:
+                masked = drop.new_zeros(keep.size(0), total)
+            else:
+                masked = masked.clone()
+            masked[:, first:] |= drop
+            cache.masked = masked
+        if cache.masked is not None:
+            cache.masked = cache.masked[:, :new_total]
+        cache.keys = [k[:, :new_total] for k in cache.keys]
+        cache.values = [v[:, :new_total] for v in cache.values]
+
+    def compact(self, cache: LeanCache, min_holes: float = 0.5):
+        if cache.masked is None:
+            return
+        valid = ~cache.masked
+        total = valid.size(1)
+        counts = valid.sum(1)
+        longest = int(counts.max()) if counts.numel() else 0
+        if bool((counts == total).all()):
+            cache.masked = None  # holes all cut off by rollbacks
+            return
+        if total - longest < max(1, min_holes * total):
+            return
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :longest]
+        bh = order.size(0) * self.heads
+        index = order.repeat_interleave(self.heads, dim=0).unsqueeze(-1)
+        for i in range(len(cache.keys)):
+            key, value = cache.keys[i], cache.values[i]
+            idx = index.expand(bh, longest, key.size(2))
+            cache.keys[i] = key.gather(1, idx)
+            cache.values[i] = value.gather(1, idx)
+        masked = cache.masked.gather(1, order)
+        cache.masked = masked if bool(masked.any()) else None
+
+    def reorder(self, cache: LeanCache, new_order: Tensor):
+        """Keep (and reorder) batch rows; used when finished rows leave the batch."""
+        heads = self.heads
+        old = cache.batch
+
+        def pick(t: Tensor) -> Tensor:
+            return t.view(old, heads, t.size(1), t.size(2)).index_select(0, new_order).view(
+                -1, t.size(1), t.size(2))
+
+        cache.keys = [pick(k) for k in cache.keys]
+        cache.values = [pick(v) for v in cache.values]
+        cache.enc_keys = [pick(k) for k in cache.enc_keys]
+        cache.enc_values = [pick(v) for v in cache.enc_values]
+        if cache.masked is not None:
+            cache.masked = cache.masked.index_select(0, new_order)
+        if cache.enc_pad is not None:
+            cache.enc_pad = cache.enc_pad.index_select(0, new_order)
+        cache.batch = new_order.numel()
+
+
+def block_decoder_for(decoder, lean: bool = True) -> BlockDecoder:
+    """The lean step where the decoder's layers allow it, else fairseq's modules."""
+    check_supported_decoder(decoder)
+    if lean and lean_supported(decoder):
+        return LeanBlockDecoder(decoder)
+    return BlockDecoder(decoder)

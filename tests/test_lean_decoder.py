@@ -1,0 +1,70 @@
+"""The lean block step computes fairseq's module path bit for bit, through rollbacks,
+compaction and batch shrinking; unsupported layers fall back to the module path."""
+
+import pytest
+import torch
+
+from fairseq_pardec.generators.incremental import BlockDecoder
+from fairseq_pardec.generators.lean_decoder import LeanBlockDecoder, block_decoder_for
+
+from helpers import make_dictionary, make_task, random_batch, tiny_transformer
+
+
+def _drive(blocks, model, sample, seed):
+    """Run the same random block / rollback / compact / shrink schedule; return every feature."""
+    d_pad = model.decoder.padding_idx
+    enc = model.encoder.forward_torchscript(sample["net_input"])
+    bsz = sample["net_input"]["src_tokens"].size(0)
+    g = torch.Generator().manual_seed(seed)
+    state = blocks.new_state()
+    start = torch.zeros(bsz, dtype=torch.long)
+    last = torch.full((bsz,), 2, dtype=torch.long)
+    features = []
+    with torch.no_grad():
+        for it in range(9):
+            width = int(torch.randint(1, 6, (1,), generator=g))
+            lens = torch.randint(1, width + 1, (start.numel(),), generator=g)
+            block = torch.randint(4, 40, (start.numel(), width), generator=g)
+            block[:, 0] = last
+            block_pad = torch.arange(width).unsqueeze(0) >= lens.unsqueeze(1)
+            x = blocks.forward_block(block, start, block_pad, enc, state)
+            features.append(torch.where(block_pad.unsqueeze(-1), torch.zeros_like(x), x))
+            keep = torch.stack([torch.randint(1, int(n) + 1, (1,), generator=g)[0] for n in lens])
+            blocks.rollback(state, width, keep)
+            blocks.compact(state, min_holes=0.3)
+            last = block[torch.arange(start.numel()), keep - 1]
+            start = start + keep
+            if it in (4, 7) and start.numel() > 1:  # a row finishes: the batch shrinks
+                alive = torch.arange(start.numel())[1:]
+                start, last = start[alive], last[alive]
+                blocks.reorder(state, alive)
+                enc = model.encoder.reorder_encoder_out(enc, alive)
+    assert d_pad == model.decoder.padding_idx
+    return features
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"decoder_normalize_before": True, "encoder_normalize_before": True},
+    {"decoder_learned_pos": True},
+    {"no_scale_embedding": True, "layernorm_embedding": True},
+])
+def test_lean_equals_module_path_bit_for_bit(overrides):
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=21, **overrides)
+    sample = random_batch(d, [4, 9, 1, 15, 6, 3], seed=5)
+    lean = block_decoder_for(model.decoder)
+    assert isinstance(lean, LeanBlockDecoder)
+    a = _drive(lean, model, sample, seed=3)
+    b = _drive(BlockDecoder(model.decoder), model, sample, seed=3)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_unsupported_layers_keep_the_module_path():
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=22, scale_attn=True, scale_fc=True)
+    blocks = block_decoder_for(model.decoder)
+    assert type(blocks) is BlockDecoder
+    sample = random_batch(d, [5, 7], seed=6)
+    assert len(_drive(blocks, model, sample, seed=1)) == 9
