@@ -17,6 +17,9 @@ from torch import Tensor
 
 class AcceptanceRule:
     lossless = False
+    # False when the rule decides from the draft and the verifier's tokens alone: the engine
+    # then does not gather the (B, K, V) log-probabilities at the draft positions for it.
+    reads_log_probs = True
 
     def token_ok(self, draft: Tensor, lprobs: Tensor, verifier_tokens: Tensor) -> Tensor:
         """(B, K) bool: may each draft token stand in for the verifier's choice?"""
@@ -30,7 +33,8 @@ class AcceptanceRule:
         Args:
             draft: (B, K) draft tokens, padded.
             draft_valid: (B, K) True for real draft tokens.
-            lprobs: (B, K, V) verifier log-probabilities at the K draft positions.
+            lprobs: (B, K, V) verifier log-probabilities at the K draft positions (None for a
+                rule whose ``reads_log_probs`` is False).
             verifier_tokens: (B, K) the verifier's own choice at those positions.
         """
         if draft.size(1) == 0:
@@ -44,6 +48,7 @@ class ExactAcceptance(AcceptanceRule):
     """Accept while the draft equals the verifier's greedy token (lossless)."""
 
     lossless = True
+    reads_log_probs = False
 
     def token_ok(self, draft, lprobs, verifier_tokens):
         return draft.eq(verifier_tokens)
@@ -57,6 +62,7 @@ class TopKAcceptance(AcceptanceRule):
             raise ValueError("--blockwise-topk must be >= 1 (got %d)" % k)
         self.k = k
         self.lossless = k == 1
+        self.reads_log_probs = k != 1
 
     def token_ok(self, draft, lprobs, verifier_tokens):
         if self.k == 1:
@@ -94,9 +100,10 @@ class DistanceAcceptance(AcceptanceRule):
             raise ValueError("--blockwise-distance must be >= 0 (got %g)" % eps)
         self.values = ordinal_values(dictionary)
         self.eps = eps
+        self.reads_log_probs = False
 
     def token_ok(self, draft, lprobs, verifier_tokens):
-        values = self.values.to(lprobs.device)
+        values = self.values.to(draft.device)
         distance = (values[draft] - values[verifier_tokens]).abs()
         exact = draft.eq(verifier_tokens)
         return exact | (distance <= self.eps)  # NaN distances (specials) compare False
@@ -113,6 +120,7 @@ class MinimumBlock(AcceptanceRule):
             raise ValueError("--min-block-size must be >= 1 (got %d)" % min_block)
         self.rule, self.min_block = rule, min_block
         self.lossless = rule.lossless and min_block == 1
+        self.reads_log_probs = rule.reads_log_probs
 
     def accept(self, draft, draft_valid, lprobs, verifier_tokens):
         accepted = self.rule.accept(draft, draft_valid, lprobs, verifier_tokens)
@@ -134,6 +142,7 @@ class TopBetaTauAcceptance(AcceptanceRule):
             raise ValueError("--gad-tau must be >= 0 (got %g)" % tau)
         self.beta, self.tau = beta, tau
         self.lossless = beta == 1 and tau == 0
+        self.reads_log_probs = not self.lossless
 
     def token_ok(self, draft, lprobs, verifier_tokens):
         if self.lossless:

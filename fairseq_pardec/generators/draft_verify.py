@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .beam_one import beam_one_tokens, running_scores
+from .block_layout import BlockLayout
 from .drafters import pad_drafts
 from .lean_decoder import block_decoder_for
 from .stats import DecodeStats, StatsGenerator
@@ -79,34 +80,41 @@ class DraftVerifyGenerator(StatsGenerator):
         self.symbols_to_strip_from_output = {self.eos}
 
     # ------------------------------------------------------------------ per-step adjustments
-    def _adjust(self, lprobs: Tensor, steps: Tensor, max_len: int, prefix: Optional[Tensor]):
+    def _adjust(self, lprobs: Tensor, steps: Tensor, layout: BlockLayout, max_len: int,
+                prefix: Optional[Tensor], bar_eos_possible: bool):
         """fairseq SequenceGenerator's per-step edits of log-probabilities, for a block.
 
         Args:
-            lprobs: (B, L, V), modified in place; steps: (B, L) decoder step of each position.
+            lprobs: (N, V) at the block's real positions (packed by ``layout``), modified in place.
+            steps: (B, L) decoder step of each block position.
             prefix: (B, P) forced prefix tokens (pad = not forced) or None.
-        Returns the (B, L) forced tokens (-1 where nothing is forced).
+            bar_eos_possible: False when every row is past --min-len (skips that edit).
+        Returns the (N,) forced tokens (-1 where nothing is forced), or None if none are.
         """
         torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        lprobs[:, :, self.pad] = -math.inf
-        lprobs[:, :, self.unk] -= self.unk_penalty
-        at_max = steps >= max_len
-        if at_max.any():
-            eos_lp = lprobs[:, :, self.eos].clone()
+        lprobs[:, self.pad] = -math.inf
+        if self.unk_penalty:
+            lprobs[:, self.unk] -= self.unk_penalty
+        at_max_grid = steps >= max_len
+        at_max = None
+        if bool(at_max_grid.any()):
+            at_max = layout.pack(at_max_grid)
+            eos_lp = lprobs[:, self.eos].clone()
             lprobs.masked_fill_(at_max.unsqueeze(-1), -math.inf)
-            lprobs[:, :, self.eos] = torch.where(at_max, eos_lp, lprobs[:, :, self.eos])
-        forced = torch.full_like(steps, -1)
+            lprobs[:, self.eos] = torch.where(at_max, eos_lp, lprobs[:, self.eos])
+        forced = None
+        in_prefix = None
         if prefix is not None and prefix.size(1) > 0:
-            in_prefix = (steps < prefix.size(1)) & ~at_max
-            idx = steps.clamp(max=prefix.size(1) - 1)
-            prefix_tok = prefix.gather(1, idx)
+            in_prefix = (steps < prefix.size(1)) & ~at_max_grid
+            prefix_tok = prefix.gather(1, steps.clamp(max=prefix.size(1) - 1))
             in_prefix &= prefix_tok.ne(self.pad)
-            forced = torch.where(in_prefix, prefix_tok, forced)
-        else:
-            in_prefix = torch.zeros_like(at_max)
-        bar_eos = (steps < self.min_len) & ~in_prefix
-        if bar_eos.any():
-            lprobs[:, :, self.eos] = lprobs[:, :, self.eos].masked_fill(bar_eos, -math.inf)
+            forced = layout.pack(torch.where(in_prefix, prefix_tok, torch.full_like(steps, -1)))
+        if bar_eos_possible:
+            bar_eos = steps < self.min_len
+            if in_prefix is not None:
+                bar_eos &= ~in_prefix
+            if bool(bar_eos.any()):
+                lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(layout.pack(bar_eos), -math.inf)
         return forced
 
     # ------------------------------------------------------------------ main loop
@@ -124,6 +132,7 @@ class DraftVerifyGenerator(StatsGenerator):
         encoder_out = model.encoder.forward_torchscript(net_input)
         bos = self.eos if bos_token is None else bos_token
         self.drafter.start(sample, encoder_out, bos)
+        relaxed = self.acceptance.reads_log_probs
 
         tokens = torch.full((bsz, max_len + 2), self.pad, dtype=torch.long, device=device)
         tokens[:, 0] = bos
@@ -133,6 +142,7 @@ class DraftVerifyGenerator(StatsGenerator):
         prefix = prefix_tokens
         finalized = [[] for _ in range(bsz)]
         state = blocks.new_state()
+        iteration = 0  # every active row has gained >= 1 token per iteration: n_out >= iteration
 
         while rows.numel() > 0:
             b = rows.numel()
@@ -145,26 +155,34 @@ class DraftVerifyGenerator(StatsGenerator):
             block = torch.cat([tokens[ar, n_out].unsqueeze(1), draft], dim=1)
             cols = torch.arange(k + 1, device=device)
             block_pad = cols.unsqueeze(0) > draft_len.unsqueeze(1)
+            layout = BlockLayout(block_pad)
+            draft_valid = ~block_pad[:, 1:]
 
-            # 2. verify
-            features = blocks.forward_block(block, n_out, block_pad, encoder_out, state)
-            lprobs = blocks.log_probs(features, self.temperature)
+            # 2. verify: the position-wise work runs on the block's real positions only
+            features = blocks.forward_packed(block, n_out, layout, encoder_out, state)
+            lprobs = blocks.log_probs(features, self.temperature)  # (N, V)
             self.stats.decoder_calls += 1
             self.stats.row_iterations += b
             steps = n_out.unsqueeze(1) + cols
-            forced = self._adjust(lprobs, steps, max_len, prefix)
+            forced = self._adjust(lprobs, steps, layout, max_len, prefix,
+                                  bar_eos_possible=iteration < self.min_len)
+            iteration += 1
             # cumulative score before each block position, were the draft accepted up to it
             prev = torch.where(
                 n_out > 0, cum_scores[ar, (n_out - 1).clamp(min=0)], cum_scores.new_zeros(b)
             )
-            draft_lp = lprobs[:, :k].gather(2, draft.unsqueeze(2)).squeeze(2)
+            draft_pos = layout.pos[:, :k].clamp(min=0)
+            draft_lp = lprobs[draft_pos, draft].masked_fill(~draft_valid, 0.0)
             before = running_scores(prev, draft_lp).to(device)
-            verifier = beam_one_tokens(lprobs, before)
-            verifier = torch.where(forced >= 0, forced, verifier)
+            verifier = beam_one_tokens(lprobs, layout.pack(before))
+            if forced is not None:
+                verifier = torch.where(forced >= 0, forced, verifier)
+            verifier = verifier[layout.pos.clamp(min=0)]  # (B, L); garbage at padding
 
             # 3. accept
-            draft_valid = ~block_pad[:, 1:]
-            n_acc = self.acceptance.accept(draft, draft_valid, lprobs[:, :k], verifier[:, :k])
+            n_acc = self.acceptance.accept(
+                draft, draft_valid, lprobs[draft_pos] if relaxed else None, verifier[:, :k]
+            )
             take_draft = cols.unsqueeze(0) < n_acc.unsqueeze(1)
             padded_draft = torch.cat([draft, draft.new_full((b, 1), self.pad)], dim=1)
             new_tokens = torch.where(take_draft, padded_draft, verifier)
@@ -176,7 +194,8 @@ class DraftVerifyGenerator(StatsGenerator):
 
             # after the accepted draft tokens, the verifier's own token at position n_acc
             cum = torch.cat([before[:, 1:], before.new_zeros(b, 1)], dim=1)
-            own_lp = lprobs[ar, n_acc].gather(1, new_tokens[ar, n_acc].unsqueeze(1)).squeeze(1)
+            own = new_tokens[ar, n_acc]
+            own_lp = lprobs[layout.at(ar, n_acc), own]
             cum[ar, n_acc] = before[ar, n_acc] + own_lp
             r_idx = ar.unsqueeze(1).expand(b, k + 1)[keep]
             c_idx = (n_out.unsqueeze(1) + cols)[keep]
@@ -186,12 +205,12 @@ class DraftVerifyGenerator(StatsGenerator):
 
             # the drafter may read the verifier's state after the last kept position
             # (blockwise decoding's proposal heads: merged invocation)
-            self.drafter.observe(rows, features, gained - 1)
+            self.drafter.observe(rows, features[layout.at(ar, gained - 1)], gained - 1)
 
             # 4. roll back the cache to the kept block positions, retire finished rows
             blocks.rollback(state, k + 1, gained)
             done = first_eos < k + 1
-            if done.any():
+            if bool(done.any()):
                 for r in done.nonzero().view(-1).tolist():
                     finalized[rows[r]] = [self._hypothesis(tokens[r], cum_scores[r], int(n_out[r]))]
                 alive = (~done).nonzero().view(-1)

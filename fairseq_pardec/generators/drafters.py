@@ -44,8 +44,9 @@ class Drafter:
         raise NotImplementedError
 
     def observe(self, rows: Tensor, features: Tensor, last: Tensor):
-        """Called after each verification with the verifier's (B, L, d) features and, per row,
-        the block position of the last kept token. Most drafters ignore it."""
+        """Called after each verification with the verifier's (B, d) features after each row's
+        last kept token and, per row, that token's block position (= draft tokens accepted).
+        Most drafters ignore the features."""
 
 
 class SourceVocabularyMap:
@@ -219,8 +220,7 @@ class HeadsDrafter(Drafter):
     def observe(self, rows, features, last):
         if self.width <= 0:
             return
-        at = features[torch.arange(features.size(0), device=features.device), last]
-        logits = self.decoder.head_logits(at, heads=self.width + 1)[:, 1:, :]
+        logits = self.decoder.head_logits(features, heads=self.width + 1)[:, 1:, :]
         logits[..., self.pad] = float("-inf")
         self.next_draft[rows] = logits.argmax(dim=-1)
         self.next_len[rows] = self.width

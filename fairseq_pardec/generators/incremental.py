@@ -168,8 +168,14 @@ class BlockDecoder:
             x = dec.project_out_dim(x)
         return x
 
+    def forward_packed(self, tokens, start, layout, encoder_out, incremental_state) -> Tensor:
+        """:meth:`forward_block` with the features packed as ``layout`` (a
+        :class:`~fairseq_pardec.generators.block_layout.BlockLayout`) says: (N, d)."""
+        x = self.forward_block(tokens, start, layout.block_pad, encoder_out, incremental_state)
+        return layout.pack(x)
+
     def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
-        """(B, L, d) features -> (B, L, V) float32 log-probabilities, as fairseq normalises them."""
+        """(..., d) features -> (..., V) float32 log-probabilities, as fairseq normalises them."""
         logits = self.decoder.output_layer(features)
         if temperature != 1.0:
             logits = logits.div_(temperature)

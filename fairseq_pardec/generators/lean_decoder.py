@@ -35,7 +35,12 @@ from torch import Tensor
 from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
+from .block_layout import BlockLayout
 from .incremental import BlockDecoder, check_supported_decoder
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
 
 
 def _plain_attention(attn) -> bool:
@@ -120,9 +125,11 @@ class LeanBlockDecoder(BlockDecoder):
             cache.enc_values.append(v.contiguous().view(-1, bsz * attn.num_heads, attn.head_dim).transpose(0, 1))
         cache.batch = bsz
 
-    def _attend(self, attn, q: Tensor, k: Tensor, v: Tensor, bsz: int, length: int,
+    @staticmethod
+    def _attend(q: Tensor, k: Tensor, v: Tensor, bsz: int, length: int, embed_dim: int,
                 causal: Optional[Tensor], masked: Optional[Tensor]) -> Tensor:
-        """Scaled dot-product attention exactly as ``MultiheadAttention.forward`` computes it."""
+        """Scaled dot-product attention exactly as ``MultiheadAttention.forward`` computes it,
+        up to (not including) the output projection: (L, B, embed_dim)."""
         src_len = k.size(1)
         weights = torch.bmm(q, k.transpose(1, 2))
         if causal is not None:
@@ -133,20 +140,31 @@ class LeanBlockDecoder(BlockDecoder):
             ).view(-1, length, src_len)
         probs = F.softmax(weights, dim=-1, dtype=torch.float32).type_as(weights)
         out = torch.bmm(probs, v)
-        return attn.out_proj(out.transpose(0, 1).contiguous().view(length, bsz, attn.embed_dim))
+        return out.transpose(0, 1).contiguous().view(length, bsz, embed_dim)
 
-    def forward_block(self, tokens, start, block_pad, encoder_out, cache: LeanCache):
+    def forward_packed(self, tokens, start, layout: BlockLayout, encoder_out, cache: LeanCache):
+        """Features (N, d) at the block's real positions, packed as ``layout`` says.
+
+        Position-wise work (projections, feed-forward, layer norms) runs on the real positions
+        only; attention runs on the (L, B) grid, with padding masked as a key and its query
+        outputs dropped. A block without padding runs exactly the module path's shapes.
+        """
         dec = self.decoder
         bsz, length = tokens.size()
+        block_pad = layout.block_pad
         if not cache.enc_keys:
             self._project_encoder(cache, encoder_out, bsz)
         steps = start.unsqueeze(1) + torch.arange(length, device=tokens.device)
-        ragged = bool(block_pad.any())
         positions = steps + self.padding_idx + 1
-        if ragged:
+        if not layout.dense:
             positions = positions.masked_fill(block_pad, self.padding_idx + 1)
             tokens = tokens.masked_fill(block_pad, self.padding_idx)
         x = self.embed(tokens, positions).transpose(0, 1)
+        if not layout.dense:
+            x = layout.pack_time_major(x)
+        grid, ungrid = layout.unpack_time_major, layout.pack_time_major
+        if layout.dense:
+            grid = ungrid = _same
 
         cached = cache.length
         causal = None
@@ -154,7 +172,7 @@ class LeanBlockDecoder(BlockDecoder):
             causal = x.new_zeros(length, cached + length)
             causal[:, cached:] = torch.triu(x.new_full((length, length), float("-inf")), diagonal=1)
         masked = cache.masked
-        if ragged or masked is not None:
+        if not layout.dense or masked is not None:
             if masked is None:
                 masked = block_pad.new_zeros(bsz, cached)
             masked = torch.cat([masked, block_pad], dim=1)
@@ -166,9 +184,9 @@ class LeanBlockDecoder(BlockDecoder):
             residual = x
             if layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
-            q = attn.q_proj(x)
-            k = attn.k_proj(x)
-            v = attn.v_proj(x)
+            q = grid(attn.q_proj(x))
+            k = grid(attn.k_proj(x))
+            v = grid(attn.v_proj(x))
             q *= attn.scaling
             q = q.contiguous().view(length, bsz * heads, head_dim).transpose(0, 1)
             k = k.contiguous().view(-1, bsz * heads, head_dim).transpose(0, 1)
@@ -180,7 +198,7 @@ class LeanBlockDecoder(BlockDecoder):
             else:
                 cache.keys.append(k)
                 cache.values.append(v)
-            x = self._attend(attn, q, k, v, bsz, length, causal, masked)
+            x = attn.out_proj(ungrid(self._attend(q, k, v, bsz, length, attn.embed_dim, causal, masked)))
             x = residual + x
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
@@ -189,12 +207,12 @@ class LeanBlockDecoder(BlockDecoder):
             residual = x
             if layer.normalize_before:
                 x = layer.encoder_attn_layer_norm(x)
-            q = cross.q_proj(x)
+            q = grid(cross.q_proj(x))
             q *= cross.scaling
             q = q.contiguous().view(length, bsz * cross.num_heads, cross.head_dim).transpose(0, 1)
-            x = self._attend(cross, q, cache.enc_keys[i], cache.enc_values[i], bsz, length,
-                             None, cache.enc_pad)
-            x = residual + x
+            x = self._attend(q, cache.enc_keys[i], cache.enc_values[i], bsz, length,
+                             cross.embed_dim, None, cache.enc_pad)
+            x = residual + cross.out_proj(ungrid(x))
             if not layer.normalize_before:
                 x = layer.encoder_attn_layer_norm(x)
 
@@ -207,10 +225,15 @@ class LeanBlockDecoder(BlockDecoder):
                 x = layer.final_layer_norm(x)
         if dec.layer_norm is not None:
             x = dec.layer_norm(x)
-        x = x.transpose(0, 1)
+        if layout.dense:
+            x = x.reshape(length * bsz, -1)
         if dec.project_out_dim is not None:
             x = dec.project_out_dim(x)
         return x
+
+    def forward_block(self, tokens, start, block_pad, encoder_out, cache: LeanCache):
+        layout = BlockLayout(block_pad)
+        return layout.unpack(self.forward_packed(tokens, start, layout, encoder_out, cache))
 
     # ------------------------------------------------------------------ cache surgery
     def cache_length(self, cache: LeanCache) -> int:
