@@ -90,3 +90,45 @@ def test_adaptive_cap_follows_each_rows_acceptance():
     fixed = drafter_for(["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"], d, block_size=6)
     fixed.observe(None, None, torch.tensor([0]))
     assert propose(fixed, d, ["w9", "w2"]) == ["w3", "w4", "w5", "w6", "w7", "w8"]
+
+
+class FullBufferCopyDrafter(CopyDrafter):
+    """The rule reading each row's whole output from the buffer every call (the reference)."""
+
+    def _read_new_tokens(self, row_ids, tokens, n_out):
+        for i, (row, n) in enumerate(zip(row_ids, n_out)):
+            self.outputs[row] = tokens[i, : n + 1].tolist()
+
+
+def test_incremental_reading_proposes_the_full_buffer_rules_drafts():
+    """Random batches, random accepted prefixes (copies and rewrites), rows leaving the batch."""
+    d = make_dictionary(12)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        bsz = 6
+        sources = [torch.randint(4, len(d), (int(torch.randint(1, 15, (1,), generator=g)),),
+                                 generator=g) for _ in range(bsz)]
+        sample = collate(d, [torch.cat([s, torch.tensor([d.eos()])]) for s in sources])
+        adaptive = trial % 2 == 0
+        ours, ref = CopyDrafter(d, d, adaptive=adaptive), FullBufferCopyDrafter(d, d, adaptive=adaptive)
+        for drafter in (ours, ref):
+            drafter.start(sample, None, d.eos())
+        rows = torch.arange(bsz)
+        tokens = torch.full((bsz, 40), d.pad())
+        tokens[:, 0] = d.eos()
+        n_out = torch.zeros(bsz, dtype=torch.long)
+        while rows.numel() and int(n_out.max()) < 30:
+            room = 30 - n_out
+            a, a_len = ours.propose(rows, tokens, n_out, room)
+            b, b_len = ref.propose(rows, tokens, n_out, room)
+            assert torch.equal(a, b) and torch.equal(a_len, b_len)
+            # accept a random prefix of each draft, then one token of the "verifier"
+            acc = torch.stack([torch.randint(0, int(n) + 1, (1,), generator=g)[0] for n in a_len])
+            for i in range(rows.numel()):
+                new = a[i, : int(acc[i])].tolist() + [int(torch.randint(4, len(d), (1,), generator=g))]
+                tokens[i, int(n_out[i]) + 1 : int(n_out[i]) + 1 + len(new)] = torch.tensor(new)
+                n_out[i] += len(new)
+            for drafter in (ours, ref):
+                drafter.observe(rows, None, acc)
+            alive = torch.rand(rows.numel(), generator=g) > 0.15
+            rows, tokens, n_out = rows[alive], tokens[alive], n_out[alive]

@@ -49,6 +49,14 @@ class Drafter:
         Most drafters ignore the features."""
 
 
+class NoDrafter(Drafter):
+    """Drafts nothing: every iteration is one greedy step of the lean engine (``lean_greedy``)."""
+
+    def propose(self, rows, tokens, n_out, max_len):
+        empty = tokens.new_zeros(rows.numel(), 0)
+        return empty, tokens.new_zeros(rows.numel())
+
+
 class SourceVocabularyMap:
     """Maps source token ids to target ids by their string (for separate dictionaries).
 
@@ -128,6 +136,9 @@ class CopyDrafter(Drafter):
             self.sources.append(source)
             self.positions.append(where)
             self.last_match.append((0, 0))  # (source index, output length) of the last match
+        # BOS + the accepted tokens seen so far, per row: accepted tokens never change, so each
+        # iteration reads only the new ones from the engine's buffer
+        self.outputs = [[bos] for _ in self.sources]
         self.mean_accepted = [None] * len(self.sources)
         self._drafted = None
 
@@ -165,12 +176,27 @@ class CopyDrafter(Drafter):
             cap = min(cap, int(2 * mean) + 1)
         return cap
 
+    def _read_new_tokens(self, row_ids: List[int], tokens: Tensor, n_out: List[int]):
+        """Append each row's tokens accepted since the last call (one small gather)."""
+        known = [len(self.outputs[row]) for row in row_ids]
+        new = [n + 1 - k for n, k in zip(n_out, known)]
+        width = max(new, default=0)
+        if width <= 0:
+            return
+        cols = torch.tensor(known, device=tokens.device).unsqueeze(1) + torch.arange(
+            width, device=tokens.device)
+        fresh = tokens.gather(1, cols.clamp(max=tokens.size(1) - 1)).tolist()
+        for row, count, values in zip(row_ids, new, fresh):
+            if count > 0:
+                self.outputs[row].extend(values[:count])
+
     def propose(self, rows, tokens, n_out, max_len):
         drafts = []
-        row_ids = rows.tolist()
-        for row, toks, n, room in zip(row_ids, tokens.tolist(), n_out.tolist(), max_len.tolist()):
+        row_ids, lengths = rows.tolist(), n_out.tolist()
+        self._read_new_tokens(row_ids, tokens, lengths)
+        for row, n, room in zip(row_ids, lengths, max_len.tolist()):
             limit = self._row_cap(row, room)
-            output = toks[: n + 1]
+            output = self.outputs[row]
             at = self._match(row, output) if limit > 0 else None
             if at is None:
                 drafts.append([])

@@ -51,7 +51,8 @@ class TranslationPardecConfig(TranslationConfig):
     generator: GENERATOR_CHOICES = field(
         default="beam",
         metadata={
-            "help": "decoding method: beam (fairseq beam search), greedy (beam 1), iad "
+            "help": "decoding method: beam (fairseq beam search), greedy (beam 1), lean_greedy "
+            "(greedy's output from the draft-and-verify engine, nothing drafted), iad "
             "(input-guided aggressive decoding: copy the source as a draft, lossless), blockwise "
             "(blockwise parallel decoding with a blockwise_transformer's proposal heads), gad "
             "(generalized aggressive decoding with a glat_drafter, --drafter-path), interleaved "
