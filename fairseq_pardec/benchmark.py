@@ -227,16 +227,21 @@ def to_text(task, tokens, remove_bpe):
     return task.target_dictionary.string(tokens, remove_bpe, extra_symbols_to_ignore={task.target_dictionary.eos()})
 
 
-def quality(task, outputs, references, remove_bpe):
+def quality(task, outputs, references, remove_bpe, sources=None):
+    """BLEU and chrF against the references; with ``sources`` (text), also the share of
+    outputs identical to their source (how much a GEC model copies: what IAD feeds on)."""
     import sacrebleu
 
     ids = sorted(outputs)
     hyps = [to_text(task, outputs[i], remove_bpe) for i in ids]
     refs = [references[i] for i in ids]
-    return {
+    result = {
         "bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
         "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2),
     }
+    if sources is not None:
+        result["identical_to_source"] = sum(h == sources[i] for h, i in zip(hyps, ids)) / max(1, len(ids))
+    return result
 
 
 def machine_description(use_cuda, threads):
@@ -280,6 +285,13 @@ def run(args):
         i: task.target_dictionary.string(dataset.tgt[i], args.remove_bpe)
         for i in range(n_sentences)
     }
+    # outputs equal to their source are only possible with one shared vocabulary (GEC)
+    sources = None
+    if task.source_dictionary.symbols == task.target_dictionary.symbols:
+        sources = {
+            i: task.source_dictionary.string(dataset.src[i], args.remove_bpe)
+            for i in range(n_sentences)
+        }
     # every checkpoint is loaded once, before any timing
     models = {os.path.abspath(args.path): model}
     paths = {}
@@ -326,7 +338,7 @@ def run(args):
                 "target_tokens": st["target_tokens"],
                 "checkpoint": paths[label],
             }
-            row.update(quality(task, outputs[label], references, args.remove_bpe))
+            row.update(quality(task, outputs[label], references, args.remove_bpe, sources))
             if greedy_label is not None:
                 same, first = divergence(outputs[label], outputs[greedy_label])
                 row["identical_to_greedy"] = same
@@ -337,6 +349,8 @@ def run(args):
             for ref_label, key in ((greedy_label, "speedup_vs_greedy"), (beam_label, "speedup_vs_beam")):
                 if ref_label is not None:
                     row[key] = by_label[ref_label]["wall_time_s"] / row["wall_time_s"]
+            if greedy_label is not None:
+                row["iteration_cost"] = iteration_cost(row, by_label[greedy_label])
 
     meta = {
         "data": os.path.abspath(args.data),
@@ -354,6 +368,20 @@ def run(args):
     return meta, rows
 
 
+def iteration_cost(row, greedy_row):
+    """Wall time of one decoder call of ``row`` (everything its iteration does: drafting,
+    verifying, bookkeeping) in decoder calls of greedy at the same batch size.
+
+    At batch 1 it is the break-even: the tokens per iteration a method needs to match greedy
+    (speedup = tokens per iteration / iteration cost). Its inverse is the "overhead efficiency":
+    wall speedup over the reduction in iterations.
+    """
+    if not row.get("decoder_calls") or not greedy_row.get("decoder_calls"):
+        return None
+    per_call = row["wall_time_s"] / row["decoder_calls"]
+    return per_call / (greedy_row["wall_time_s"] / greedy_row["decoder_calls"])
+
+
 # ---------------------------------------------------------------------- reporting
 COLUMNS = [
     ("generator", "generator", "%s"),
@@ -366,8 +394,10 @@ COLUMNS = [
     ("speedup_vs_greedy", "x greedy", "%.2f"),
     ("speedup_vs_beam", "x beam", "%.2f"),
     ("mean_accepted_tokens", "tokens/iter", "%.2f"),
+    ("iteration_cost", "iter cost", "%.2f"),
     ("iterations_per_sentence", "iters/sent", "%.1f"),
     ("identical_to_greedy", "= greedy", "%.1f%%"),
+    ("identical_to_source", "= source", "%.1f%%"),
     ("first_divergence", "1st diff at", "%.1f"),
 ]
 
@@ -376,7 +406,10 @@ def markdown(meta, rows):
     lines = [
         "Machine: %s. Commit %s, %s, torch %s, %s. %d sentences of `%s`, median of %d "
         "alternating runs after warm-up. *batch*: the batch size asked for; *mean batch*: the "
-        "batch size decoded; *1st diff at*: mean token index of the first difference from "
+        "batch size decoded; *iter cost*: wall time of one iteration (decoder call) in greedy "
+        "steps of the same batch (at batch 1 the tokens/iter needed to break even); *= source*: "
+        "share of outputs identical to their source (shared vocabularies only); *1st diff at*: "
+        "mean token index of the first difference from "
         "greedy, over the sentences that differ."
         % (meta["machine"], meta["commit"], meta["date"], meta["torch"], meta["precision"],
            meta["sentences"], meta["gen_subset"], meta["repeats"]),
@@ -390,7 +423,7 @@ def markdown(meta, rows):
             value = row.get(key)
             if value is None:
                 cells.append("")
-            elif key == "identical_to_greedy":
+            elif key in ("identical_to_greedy", "identical_to_source"):
                 cells.append(fmt % (100 * value))
             else:
                 cells.append(fmt % value)
