@@ -78,3 +78,17 @@ def test_unsupported_layers_keep_the_module_path():
     assert type(blocks) is BlockDecoder
     sample = random_batch(d, [5, 7], seed=6)
     assert len(_drive(blocks, model, sample, seed=1)) == 9
+
+
+def test_output_layer_with_transposed_weight():
+    """Several rows: x @ W_t (another kernel, same values up to float rounding); one row:
+    fairseq's own F.linear, bit for bit; a replaced output layer is always honoured."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=23)
+    lean, module = LeanBlockDecoder(model.decoder), BlockDecoder(model.decoder)
+    x = torch.randn(7, model.decoder.embed_dim)
+    with torch.no_grad():
+        assert torch.allclose(lean.log_probs(x), module.log_probs(x), rtol=0, atol=1e-5)
+        assert torch.equal(lean.log_probs(x[:1]), module.log_probs(x[:1]))
+        model.decoder.output_layer = lambda f: torch.zeros(f.shape[:-1] + (len(d),))
+        assert torch.equal(lean.log_probs(x), torch.full((7, len(d)), -torch.log(torch.tensor(float(len(d))))))
