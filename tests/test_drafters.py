@@ -132,3 +132,12 @@ def test_incremental_reading_proposes_the_full_buffer_rules_drafts():
                 drafter.observe(rows, None, acc)
             alive = torch.rand(rows.numel(), generator=g) > 0.15
             rows, tokens, n_out = rows[alive], tokens[alive], n_out[alive]
+
+
+def test_cpu_ceiling_shrinks_with_the_active_rows():
+    d = make_dictionary(12)
+    drafter = drafter_for(["w1", "w2"], d)
+    assert [drafter._ceiling(b) for b in (1, 4, 8, 11, 32)] == [16, 16, 8, 6, 6]
+    assert drafter_for(["w1"], d, block_size=3)._ceiling(32) == 3  # --block-size: fixed
+    drafter.on_cpu = False
+    assert drafter._ceiling(1) is None  # GPU: the remaining length

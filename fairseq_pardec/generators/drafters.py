@@ -101,15 +101,18 @@ class CopyDrafter(Drafter):
     greedy decoding; the rule only changes how many tokens are accepted.
     """
 
-    # Draft cap on the CPU when --block-size is not given (each row's adaptive cap stays under
-    # it). There verifying a draft costs compute per drafted token, and a batch's block is as
-    # long as its longest row's draft. Measured with true batch sizes (UA-GEC test, first 300
-    # sentences, a d256 3+3 model after 870 updates, 2 threads, median of 3; docs/results.md):
-    # batch 1: greedy 56.3 s; fixed caps 4/8/10/16/32: 38.7/35.6/37.2/36.2/38.3 s; adaptive
-    # under 10/16/32: 32.6/34.7/35.3 s. Batch 32: greedy 6.78 s; fixed 4/8/10/16/32:
-    # 6.35/8.11/7.63/10.40/14.41 s; adaptive under 10/16/32: 7.16/7.75/8.62 s. On a GPU a longer
-    # block costs about as much as one token, so there the cap is the whole remaining source.
-    CPU_DEFAULT_BLOCK = 10
+    # Ceiling of the adaptive caps on the CPU (--block-size not given). There a verified position
+    # costs compute once the batch is compute-bound, so the ceiling shrinks with the number of
+    # active rows: CPU_POSITIONS block positions per iteration shared by the rows, each row's
+    # ceiling within [CPU_MIN_CEILING, CPU_MAX_CEILING] (16 for 1-4 rows, 8 for 8, 6 from 11).
+    # Measured with true batch sizes (UA-GEC test, d256 3+3 model after 7 epochs, 2 threads,
+    # median of 3; docs/results.md "iad draft-cap sweep"): batch 1 (80 sentences), adaptive
+    # under 6/10/16/32: 3.51/3.90/4.30/4.31x greedy, fixed 4/10: 2.76/3.84x; batch 32 (300
+    # sentences), adaptive under 6/10/16/32: 1.65/1.62/1.56/1.41x, fixed 4/10: 1.40/1.40x. On a
+    # GPU a longer block costs about as much as one token: no ceiling there.
+    CPU_POSITIONS = 64
+    CPU_MIN_CEILING = 6
+    CPU_MAX_CEILING = 16
 
     def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False):
         self.vocab_map = SourceVocabularyMap(src_dict, tgt_dict)
@@ -121,9 +124,7 @@ class CopyDrafter(Drafter):
 
     def start(self, sample, encoder_out, bos: int):
         src = sample["net_input"]["src_tokens"]
-        self.limit = self.block_size
-        if self.limit is None and src.device.type == "cpu":
-            self.limit = self.CPU_DEFAULT_BLOCK
+        self.on_cpu = src.device.type == "cpu"
         mapped = self.vocab_map(src).tolist()
         self.sources, self.positions, self.last_match = [], [], []
         for row, ids in zip(src.tolist(), mapped):
@@ -162,7 +163,16 @@ class CopyDrafter(Drafter):
             return min(candidates, key=lambda i: (abs(i - expected), i))
         return candidates[0]
 
-    def _row_cap(self, row: int, room: int) -> int:
+    def _ceiling(self, active_rows: int):
+        """The cap every row drafts under this iteration (None: the remaining length)."""
+        if self.block_size is not None:
+            return self.block_size
+        if not self.on_cpu:
+            return None
+        share = self.CPU_POSITIONS // max(1, active_rows)
+        return max(self.CPU_MIN_CEILING, min(self.CPU_MAX_CEILING, share))
+
+    def _row_cap(self, row: int, room: int, limit) -> int:
         """Most draft tokens for this row now.
 
         Adaptive: twice the row's recent mean of accepted draft tokens, plus one (an exponential
@@ -170,7 +180,7 @@ class CopyDrafter(Drafter):
         being rejected (translation, a heavy rewrite) drafts one token, so its iterations cost
         about a greedy step; a row that copies long runs drafts up to the cap.
         """
-        cap = room if self.limit is None else min(room, self.limit)
+        cap = room if limit is None else min(room, limit)
         mean = self.mean_accepted[row]
         if self.adaptive and mean is not None:
             cap = min(cap, int(2 * mean) + 1)
@@ -194,8 +204,9 @@ class CopyDrafter(Drafter):
         drafts = []
         row_ids, lengths = rows.tolist(), n_out.tolist()
         self._read_new_tokens(row_ids, tokens, lengths)
+        ceiling = self._ceiling(len(row_ids))
         for row, n, room in zip(row_ids, lengths, max_len.tolist()):
-            limit = self._row_cap(row, room)
+            limit = self._row_cap(row, room, ceiling)
             output = self.outputs[row]
             at = self._match(row, output) if limit > 0 else None
             if at is None:

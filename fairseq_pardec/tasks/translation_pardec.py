@@ -63,7 +63,8 @@ class TranslationPardecConfig(TranslationConfig):
         default=None,
         metadata={
             "help": "draft-and-verify generators: iad: a fixed cap on the draft tokens verified per "
-            "iteration (default: each row's cap follows its acceptance, under 10 on the CPU, "
+            "iteration (default: each row's cap follows its acceptance, under a CPU ceiling of 16 "
+            "that shrinks to 6 as the batch grows, "
             "unbounded on a GPU); blockwise: block size k counting p_1, as in the paper "
             "(default: the model's --proposal-heads)"
         },
