@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .beam_one import beam_one_tokens, running_scores
 from .block_layout import BlockLayout
+from .speculative import SamplingFilter, SpeculativeSampler
 from .drafters import pad_drafts
 from .lean_decoder import block_decoder_for
 from .stats import DecodeStats, StatsGenerator
@@ -53,6 +54,7 @@ class DraftVerifyGenerator(StatsGenerator):
         temperature: float = 1.0,
         compact_holes: float = 0.5,
         lean: bool = True,
+        sampler: Optional[SpeculativeSampler] = None,
     ):
         if len(models) != 1:
             raise ValueError(
@@ -78,6 +80,16 @@ class DraftVerifyGenerator(StatsGenerator):
         self.compact_holes = compact_holes
         self.stats = DecodeStats()
         self.symbols_to_strip_from_output = {self.eos}
+        # --sampling: speculative sampling replaces the acceptance rule (speculative.py)
+        self.sampler = sampler
+        if sampler is not None:
+            if not acceptance.lossless:
+                raise ValueError(
+                    "--sampling accepts drafts by speculative sampling, which is exact; drop the "
+                    "relaxed acceptance options (--gad-beta/--gad-tau, --blockwise-topk, "
+                    "--blockwise-distance, --min-block-size)"
+                )
+            drafter.set_sampler(sampler, temperature)
 
     # ------------------------------------------------------------------ per-step adjustments
     def _adjust(self, lprobs: Tensor, steps: Tensor, layout: BlockLayout, max_len: int,
@@ -150,7 +162,8 @@ class DraftVerifyGenerator(StatsGenerator):
             # 1. draft (never past the step where EOS is forced)
             room = max_len - n_out
             draft, draft_len = self.drafter.propose(rows, tokens, n_out, room)
-            draft, draft_len = self._force_prefix_draft(draft, draft_len, n_out, prefix, room)
+            q = self.drafter.draft_probs if self.sampler is not None else None
+            draft, draft_len, q = self._force_prefix_draft(draft, draft_len, n_out, prefix, room, q)
             k = draft.size(1)
             block = torch.cat([tokens[ar, n_out].unsqueeze(1), draft], dim=1)
             cols = torch.arange(k + 1, device=device)
@@ -174,17 +187,21 @@ class DraftVerifyGenerator(StatsGenerator):
             draft_pos = layout.pos[:, :k].clamp(min=0)
             draft_lp = lprobs[draft_pos, draft].masked_fill(~draft_valid, 0.0)
             before = running_scores(prev, draft_lp).to(device)
-            verifier = beam_one_tokens(lprobs, layout.pack(before))
-            if forced is not None:
-                verifier = torch.where(forced >= 0, forced, verifier)
-            verifier = verifier[layout.pos.clamp(min=0)]  # (B, L); garbage at padding
-
-            # 3. accept
-            n_acc = self.acceptance.accept(
-                draft, draft_valid, lprobs[draft_pos] if relaxed else None, verifier[:, :k]
-            )
-            take_draft = cols.unsqueeze(0) < n_acc.unsqueeze(1)
             padded_draft = torch.cat([draft, draft.new_full((b, 1), self.pad)], dim=1)
+            if self.sampler is None:
+                verifier = beam_one_tokens(lprobs, layout.pack(before))
+                if forced is not None:
+                    verifier = torch.where(forced >= 0, forced, verifier)
+                verifier = verifier[layout.pos.clamp(min=0)]  # (B, L); garbage at padding
+                # 3. accept
+                n_acc = self.acceptance.accept(
+                    draft, draft_valid, lprobs[draft_pos] if relaxed else None, verifier[:, :k]
+                )
+            else:
+                n_acc, verifier = self._speculate(
+                    lprobs, forced, layout, draft, draft_len, draft_valid, draft_pos, padded_draft, q
+                )
+            take_draft = cols.unsqueeze(0) < n_acc.unsqueeze(1)
             new_tokens = torch.where(take_draft, padded_draft, verifier)
             gained = n_acc + 1
             is_eos = new_tokens.eq(self.eos) & (cols.unsqueeze(0) < gained.unsqueeze(1))
@@ -223,13 +240,41 @@ class DraftVerifyGenerator(StatsGenerator):
             blocks.compact(state, self.compact_holes)
         return finalized
 
-    def _force_prefix_draft(self, draft, draft_len, n_out, prefix, room):
-        """Rows still inside their --prefix-size prefix draft the prefix itself."""
+    def _speculate(self, lprobs, forced, layout, draft, draft_len, draft_valid, draft_pos,
+                   padded_draft, q):
+        """Speculative sampling's accept / residual / bonus for every row of the block.
+
+        Returns the accepted draft lengths (B,) and a (B, L) token grid holding, at each row's
+        first non-accepted position, the token drawn there (the rest is never read).
+        """
+        probs = self.sampler.filter.probs(lprobs)  # (N, V): fairseq's sampling distribution
+        if forced is not None:  # --prefix-size: the forced token has probability 1
+            at = (forced >= 0).nonzero().view(-1)
+            if at.numel():
+                probs[at] = 0.0
+                probs[at, forced[at]] = 1.0
+        b = draft.size(0)
+        ar = torch.arange(b, device=draft.device)
+        n_acc = self.sampler.accept(draft, draft_valid, probs[draft_pos], q)
+        rejected = n_acc < draft_len
+        q_next = None
+        if q is not None and q.size(1) > 0:
+            q_next = q[ar, n_acc.clamp(max=q.size(1) - 1)]
+        own = self.sampler.next_tokens(
+            probs[layout.at(ar, n_acc)], rejected, padded_draft[ar, n_acc], q_next
+        )
+        grid = padded_draft.clone()
+        grid[ar, n_acc] = own
+        return n_acc, grid
+
+    def _force_prefix_draft(self, draft, draft_len, n_out, prefix, room, q=None):
+        """Rows still inside their --prefix-size prefix draft the prefix itself (a
+        deterministic draft: with --sampling their q becomes one-hot)."""
         if prefix is None or prefix.size(1) == 0:
-            return draft, draft_len
+            return draft, draft_len, q
         remaining = (prefix.size(1) - n_out).clamp(min=0)
         if not bool((remaining > 0).any()):
-            return draft, draft_len
+            return draft, draft_len, q
         rows_in = (remaining > 0).nonzero().view(-1).tolist()
         drafts = []
         for r in range(draft.size(0)):
@@ -239,7 +284,17 @@ class DraftVerifyGenerator(StatsGenerator):
                 drafts.append(forced[: int(room[r])])
             else:
                 drafts.append(draft[r, : int(draft_len[r])].tolist())
-        return pad_drafts(drafts, self.pad, draft.device)
+        new_draft, new_len = pad_drafts(drafts, self.pad, draft.device)
+        if q is not None:
+            width = new_draft.size(1)
+            one_hot = torch.zeros(new_draft.size(0), width, q.size(-1), device=q.device, dtype=q.dtype)
+            one_hot.scatter_(2, new_draft.unsqueeze(-1), 1.0)
+            keep = min(width, q.size(1))
+            for r in range(new_draft.size(0)):
+                if r not in rows_in:
+                    one_hot[r, :keep] = q[r, :keep]
+            q = one_hot
+        return new_draft, new_len, q
 
     def _hypothesis(self, tokens: Tensor, cum_scores: Tensor, length: int):
         """fairseq's finalized hypothesis dict (scores as SequenceGenerator computes them)."""
@@ -258,10 +313,13 @@ class DraftVerifyGenerator(StatsGenerator):
         }
 
 
-def build_draft_verify(task, models, args, drafter, acceptance, name):
-    """Common construction from fairseq's generation config; refuses what it cannot honour."""
+def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None):
+    """Common construction from fairseq's generation config; refuses what it cannot honour.
+
+    With ``--sampling`` the random draws are seeded from ``seed``, by default torch's initial
+    seed, which ``fairseq-generate`` sets from ``--seed``.
+    """
     unsupported = {
-        "sampling": "--sampling",
         "diverse_beam_groups": "--diverse-beam-groups",
         "match_source_len": "--match-source-len",
         "constraints": "--constraints",
@@ -279,7 +337,21 @@ def build_draft_verify(task, models, args, drafter, acceptance, name):
     if getattr(args, "nbest", 1) != 1:
         raise ValueError("--generator %s returns one hypothesis; drop --nbest" % name)
     beam = getattr(args, "beam", 5)
-    if beam not in (1, 5):
+    sampler = None
+    truncation = (getattr(args, "sampling_topk", -1) or -1) > 0 or (getattr(args, "sampling_topp", -1.0) or -1.0) > 0
+    if truncation and not getattr(args, "sampling", False):
+        raise ValueError("--sampling-topk and --sampling-topp need --sampling")
+    if getattr(args, "sampling", False):
+        if beam not in (1, 5):
+            raise ValueError(
+                "--generator %s --sampling draws one sample per sentence (fairseq --beam 1); "
+                "drop --beam %d" % (name, beam)
+            )
+        sampler = SpeculativeSampler(
+            SamplingFilter(getattr(args, "sampling_topk", -1), getattr(args, "sampling_topp", -1.0)),
+            seed if seed is not None else torch.initial_seed(),
+        )
+    elif beam not in (1, 5):
         logger.warning("--generator %s decodes greedily; ignoring --beam %d", name, beam)
     return DraftVerifyGenerator(
         models,
@@ -293,4 +365,5 @@ def build_draft_verify(task, models, args, drafter, acceptance, name):
         len_penalty=getattr(args, "lenpen", 1),
         unk_penalty=getattr(args, "unkpen", 0),
         temperature=getattr(args, "temperature", 1.0),
+        sampler=sampler,
     )

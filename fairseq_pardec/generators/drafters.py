@@ -25,7 +25,29 @@ def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
 
 
 class Drafter:
-    """Interface of the draft step of the draft-and-verify engine."""
+    """Interface of the draft step of the draft-and-verify engine.
+
+    With ``--sampling`` (speculative sampling) a drafter that draws its drafts from a
+    distribution sets ``draft_probs`` in ``propose``: (B, K, V), the distribution each draft
+    token was drawn from. ``None`` (the default) declares the drafts deterministic (one-hot q).
+    """
+
+    draft_probs = None
+    sampler = None
+    temperature = 1.0
+
+    def set_sampler(self, sampler, temperature: float = 1.0):
+        """Called once by a sampling engine: draw drafts with ``sampler`` (its filter and its
+        seeded generator) at the verifier's temperature."""
+        self.sampler, self.temperature = sampler, temperature
+
+    def _draw(self, logits: Tensor):
+        """(..., V) logits -> drawn tokens (...) and the filtered distribution (..., V)."""
+        lprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        probs = self.sampler.filter.probs(lprobs)
+        flat = probs.reshape(-1, probs.size(-1))
+        tokens = self.sampler.sample(flat).view(probs.shape[:-1])
+        return tokens, probs
 
     def start(self, sample, encoder_out, bos: int):
         """Called once per batch, before the first iteration."""
@@ -245,6 +267,7 @@ class HeadsDrafter(Drafter):
         src = sample["net_input"]["src_tokens"]
         self.next_draft = src.new_full((src.size(0), max(self.width, 0)), self.pad)
         self.next_len = src.new_zeros(src.size(0))
+        self.next_probs = None
 
     def propose(self, rows, tokens, n_out, max_len):
         lengths = torch.minimum(self.next_len[rows], max_len)
@@ -252,6 +275,11 @@ class HeadsDrafter(Drafter):
         draft = self.next_draft[rows, :width]
         cols = torch.arange(width, device=draft.device)
         draft = draft.masked_fill(cols.unsqueeze(0) >= lengths.unsqueeze(1), self.pad)
+        if self.sampler is not None:
+            if self.next_probs is None:  # nothing proposed yet: an empty draft
+                self.draft_probs = None
+            else:
+                self.draft_probs = self.next_probs[rows, :width]
         return draft, lengths
 
     def observe(self, rows, features, last):
@@ -259,7 +287,14 @@ class HeadsDrafter(Drafter):
             return
         logits = self.decoder.head_logits(features, heads=self.width + 1)[:, 1:, :]
         logits[..., self.pad] = float("-inf")
-        self.next_draft[rows] = logits.argmax(dim=-1)
+        if self.sampler is None:
+            self.next_draft[rows] = logits.argmax(dim=-1)
+        else:  # speculative sampling: draw the proposals, keep the distributions drawn from
+            drawn, probs = self._draw(logits)
+            if self.next_probs is None:
+                self.next_probs = probs.new_zeros((self.next_draft.size(0),) + probs.shape[1:])
+            self.next_draft[rows] = drawn
+            self.next_probs[rows] = probs
         self.next_len[rows] = self.width
 
 
@@ -287,9 +322,15 @@ class NARDrafter(Drafter):
         inputs, slots = self.model.draft_inputs(tokens, n_out, self.k)
         logits = self.model.slot_logits(inputs, slots, self.active_encoder_out)
         logits[..., self.pad] = float("-inf")
-        draft = logits.argmax(dim=-1)
+        if self.sampler is None:
+            draft = logits.argmax(dim=-1)
+        else:  # speculative sampling: draw every slot from the drafter's own distribution
+            draft, self.draft_probs = self._draw(logits)
         cols = torch.arange(self.k, device=draft.device).unsqueeze(0)
         first_eos = torch.where(draft.eq(self.eos), cols, self.k).min(dim=1).values
         lengths = torch.minimum(torch.clamp(first_eos + 1, max=self.k), max_len)
         draft = draft.masked_fill(cols >= lengths.unsqueeze(1), self.pad)
+        if self.draft_probs is not None:
+            self.draft_probs = self.draft_probs[:, : int(lengths.max()) if lengths.numel() else 0]
+            draft = draft[:, : self.draft_probs.size(1)]
         return draft, lengths
