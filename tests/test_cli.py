@@ -144,6 +144,27 @@ def assert_clean_error(proc, *needles):
         assert needle in proc.stderr, proc.stderr[-2000:]
 
 
+def test_iad_sampling_is_seeded_and_lean_greedy_equals_greedy(cli_data, stock_checkpoint):
+    _, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    runs = [generate(data, ckpt, "--generator", "iad", "--sampling", "--beam", 1, "--sampling-topk", 5,
+                     "--temperature", 0.7, "--seed", seed, "--batch-size", 4).stdout
+            for seed in (3, 3, 4)]
+    assert hypotheses(runs[0]) == hypotheses(runs[1])
+    assert sorted(hypotheses(runs[0])) == list(range(N_TEST))
+    assert hypotheses(runs[0]) != hypotheses(runs[2])  # another seed, other samples
+    greedy = generate(data, ckpt, "--generator", "greedy", "--batch-size", 4).stdout
+    lean = generate(data, ckpt, "--generator", "lean_greedy", "--batch-size", 4).stdout
+    assert hypotheses(lean) == hypotheses(greedy)
+
+
+def test_sampling_filters_need_sampling(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    "--sampling-topk", 5, check=False)
+    assert_clean_error(proc, "--sampling-topk and --sampling-topp need --sampling")
+
+
 def test_unknown_generator_lists_choices(cli_data, stock_checkpoint):
     _, data = cli_data
     proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "nope", check=False)
