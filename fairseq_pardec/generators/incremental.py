@@ -174,9 +174,13 @@ class BlockDecoder:
         x = self.forward_block(tokens, start, layout.block_pad, encoder_out, incremental_state)
         return layout.pack(x)
 
+    def logits(self, features: Tensor) -> Tensor:
+        """The decoder's output layer."""
+        return self.decoder.output_layer(features)
+
     def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
         """(..., d) features -> (..., V) float32 log-probabilities, as fairseq normalises them."""
-        logits = self.decoder.output_layer(features)
+        logits = self.logits(features)
         if temperature != 1.0:
             logits = logits.div_(temperature)
         return F.log_softmax(logits.float(), dim=-1)

@@ -109,10 +109,8 @@ class LeanBlockDecoder(BlockDecoder):
     def new_state(self) -> LeanCache:
         return LeanCache()
 
-    def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
-        """(N, d) features -> (N, V) float32 log-probabilities.
-
-        On the CPU, a block's output layer multiplies by a transposed copy of the output
+    def logits(self, features: Tensor) -> Tensor:
+        """The output layer; on the CPU, a block's rows multiply a transposed copy of the output
         embedding: for a few rows the CPU BLAS runs ``x @ W.T`` (what ``F.linear`` does) markedly
         slower than ``x @ W_t`` with ``W_t`` contiguous (256 x 8496, 2 threads: 4 rows 1.4 ms
         against 0.6 ms). A single row keeps ``F.linear``: fairseq's own one-token step, bit for
@@ -121,11 +119,8 @@ class LeanBlockDecoder(BlockDecoder):
         """
         weight = self._output_weight_t(features)
         if weight is None:
-            return super().log_probs(features, temperature)
-        logits = features @ weight
-        if temperature != 1.0:
-            logits = logits.div_(temperature)
-        return F.log_softmax(logits.float(), dim=-1)
+            return super().logits(features)
+        return features @ weight
 
     def _output_weight_t(self, features: Tensor) -> Optional[Tensor]:
         proj = getattr(self.decoder, "output_projection", None)
