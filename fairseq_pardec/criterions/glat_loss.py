@@ -74,7 +74,7 @@ class GlatLoss(FairseqCriterion):
         prefixes, p, labels = sample_blocks(target, self.padding_idx, self.bos, k)
         tokens, slots = model.draft_inputs(prefixes, p, k)
         net = sample["net_input"]
-        encoder_out = model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
+        encoder_out = model.encode(net["src_tokens"], net["src_lengths"])
         real = labels.ne(self.padding_idx)
         ratio = self.current_ratio() if model.training else 0.0
         glanced = torch.zeros_like(real)

@@ -14,7 +14,7 @@ from .acceptance import (
     TopKAcceptance,
 )
 from .draft_verify import DraftVerifyGenerator, build_draft_verify
-from .drafters import CopyDrafter, Drafter, HeadsDrafter, NARDrafter, NoDrafter
+from .drafters import CachedNARDrafter, CopyDrafter, Drafter, HeadsDrafter, NARDrafter, NoDrafter
 from .fairseq_search import CountingSequenceGenerator, build_beam, build_greedy
 from .interleaved_beam import InterleavedBeamSearch, build_interleaved
 from .stats import DecodeStats
@@ -87,8 +87,10 @@ def build_gad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     drafter = load_drafter(task, cfg.drafter_path, models[0])
     block = cfg.block_size or drafter.block_size
     dictionary = task.target_dictionary
+    # a block-causal drafter caches its prefix; the paper's bidirectional one re-reads it
+    kind = CachedNARDrafter if drafter.block_causal else NARDrafter
     return build_draft_verify(
-        task, models, args, NARDrafter(drafter, block, dictionary.eos(), dictionary.pad()), rule, "gad"
+        task, models, args, kind(drafter, block, dictionary.eos(), dictionary.pad()), rule, "gad"
     )
 
 

@@ -6,6 +6,8 @@ drafter follows the verifier here (same device, same dtype) and is put in eval m
 
 import os
 
+import torch
+
 from fairseq import checkpoint_utils
 
 
@@ -47,7 +49,24 @@ def load_drafter(task, path, verifier):
             )
     models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
     drafter = models[0]
+    if drafter.reads_verifier_encoder:
+        _check_same_encoder(path, drafter, verifier)
     reference = next(verifier.parameters())
     drafter.to(device=reference.device, dtype=reference.dtype)
     drafter.eval()
     return drafter
+
+
+def _check_same_encoder(path, drafter, verifier):
+    """A drafter trained on the verifier's frozen encoder reads the verifier's encoder output;
+    that is only right for the verifier it was trained with."""
+    own = drafter.encoder.state_dict()
+    theirs = verifier.encoder.state_dict()
+    same = own.keys() == theirs.keys() and all(
+        own[k].shape == theirs[k].shape
+        and torch.equal(own[k].to(theirs[k].device, theirs[k].dtype), theirs[k]) for k in own)
+    if not same:
+        raise ValueError(
+            "--drafter-path %s was trained on another verifier's encoder (--drafter-encoder "
+            "verifier): give --path the checkpoint it was trained with (its --init-from-verifier)"
+            % path)

@@ -300,18 +300,24 @@ class HeadsDrafter(Drafter):
 
 class NARDrafter(Drafter):
     """GAD: a non-autoregressive block drafter (``glat_drafter``) predicts the next k tokens
-    from [BOS, accepted prefix, MASK x k]; its encoder runs once per batch.
+    from [BOS, accepted prefix, MASK x k]; its encoder runs once per batch (none at all when it
+    reads the verifier's encoder output, ``--drafter-encoder verifier``).
 
-    The prefix is re-read every iteration (its decoder is bidirectional, so nothing can be
-    cached); a draft stops after its first EOS.
+    The bidirectional drafter re-reads the prefix every iteration (nothing can be cached); see
+    :class:`CachedNARDrafter` for the block-causal one. A draft stops after its first EOS.
     """
 
     def __init__(self, model, block_size: int, eos: int, pad: int):
         self.model, self.k, self.eos, self.pad = model, block_size, eos, pad
 
-    def start(self, sample, encoder_out, bos: int):
+    def _encoder_out(self, sample, verifier_encoder_out):
+        if self.model.reads_verifier_encoder:
+            return verifier_encoder_out
         net = sample["net_input"]
-        self.encoder_out = self.model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
+        return self.model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
+
+    def start(self, sample, encoder_out, bos: int):
+        self.encoder_out = self._encoder_out(sample, encoder_out)
         self.rows = None
         self.active_encoder_out = self.encoder_out
 
@@ -321,6 +327,10 @@ class NARDrafter(Drafter):
             self.rows = rows
         inputs, slots = self.model.draft_inputs(tokens, n_out, self.k)
         logits = self.model.slot_logits(inputs, slots, self.active_encoder_out)
+        return self._finish(logits, max_len)
+
+    def _finish(self, logits, max_len):
+        """(B, k, V) slot logits -> drafts cut after their first EOS and at ``max_len``."""
         logits[..., self.pad] = float("-inf")
         if self.sampler is None:
             draft = logits.argmax(dim=-1)
@@ -334,3 +344,74 @@ class NARDrafter(Drafter):
             self.draft_probs = self.draft_probs[:, : int(lengths.max()) if lengths.numel() else 0]
             draft = draft[:, : self.draft_probs.size(1)]
         return draft, lengths
+
+
+class CachedNARDrafter(NARDrafter):
+    """GAD with a block-causal drafter (``--drafter-attention block-causal``): the prefix's
+    keys/values are cached like the verifier's.
+
+    Each iteration feeds ``[MASK x k, tokens accepted since the last call]`` on top of the
+    drafter's cache (the slots attend to the cache, the new tokens and each other; the new
+    tokens attend causally to the cache and each other, never to the slots), reads the k slots,
+    then drops the slots' entries: the cache holds BOS and every accepted token. The block has
+    the slot-first layout the drafter was trained on, so the drafts equal the full forward's
+    (tests/test_gad_cached.py).
+    """
+
+    def __init__(self, model, block_size: int, eos: int, pad: int):
+        super().__init__(model, block_size, eos, pad)
+        from .lean_decoder import LeanBlockDecoder, lean_supported
+
+        if not lean_supported(model.decoder):
+            raise ValueError(
+                "the block-causal drafter's decoder layers use options its cached step does not "
+                "reproduce (NormFormer, bias_kv, ...); train it without them")
+        self.blocks = LeanBlockDecoder(model.decoder)
+        self.mask_token = model.mask_index()
+        self.max_step = model.max_decoder_positions() - 1
+
+    def start(self, sample, encoder_out, bos: int):
+        self.encoder_out = self._encoder_out(sample, encoder_out)
+        bsz = sample["net_input"]["src_tokens"].size(0)
+        device = sample["net_input"]["src_tokens"].device
+        self.cache = self.blocks.new_state()
+        self.rows = torch.arange(bsz, device=device)
+        self.n_cached = torch.zeros(bsz, dtype=torch.long, device=device)  # BOS + tokens cached
+
+    def _follow(self, rows):
+        """Drop the cache rows of sentences that left the batch (rows only ever shrink)."""
+        if rows.numel() == self.rows.numel():
+            return
+        keep = torch.searchsorted(self.rows, rows)
+        self.blocks.reorder(self.cache, keep)
+        self.n_cached = self.n_cached[keep]
+        self.rows = rows
+
+    def propose(self, rows, tokens, n_out, max_len):
+        from .block_layout import BlockLayout
+
+        self._follow(rows)
+        k, device = self.k, tokens.device
+        b = rows.numel()
+        new = n_out + 1 - self.n_cached  # >= 1: every iteration gains a token (BOS first)
+        width = int(new.max())
+        cols = torch.arange(width, device=device).unsqueeze(0)
+        fresh = tokens.gather(1, (self.n_cached.unsqueeze(1) + cols).clamp(max=tokens.size(1) - 1))
+        fresh_pad = cols >= new.unsqueeze(1)
+        block = torch.cat([tokens.new_full((b, k), self.mask_token),
+                           fresh.masked_fill(fresh_pad, self.pad)], 1)
+        block_pad = torch.cat([fresh_pad.new_zeros(b, k), fresh_pad], 1)
+        slot_cols = torch.arange(k, device=device).unsqueeze(0)
+        steps = torch.cat([n_out.unsqueeze(1) + 1 + slot_cols, self.n_cached.unsqueeze(1) + cols], 1)
+        # slots past the drafter's last position (drafts near max length) share that position
+        steps = steps.clamp(max=self.max_step)
+        layout = BlockLayout(block_pad)
+        first = self.blocks.cache_length(self.cache)
+        mask = self.model.block_causal_mask(k, k + width, self.blocks.decoder.embed_tokens.weight)
+        features = self.blocks.forward_packed(block, self.n_cached, layout, self.encoder_out,
+                                              self.cache, steps=steps, block_mask=mask)
+        logits = self.blocks.logits(features[layout.pos[:, :k].reshape(-1)]).view(b, k, -1)
+        self.last_logits = logits  # (tests compare it with the full forward)
+        self.blocks.drop_columns(self.cache, first, k)
+        self.n_cached = n_out + 1
+        return self._finish(logits, max_len)

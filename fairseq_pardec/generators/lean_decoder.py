@@ -170,19 +170,26 @@ class LeanBlockDecoder(BlockDecoder):
         out = torch.bmm(probs, v)
         return out.transpose(0, 1).contiguous().view(length, bsz, embed_dim)
 
-    def forward_packed(self, tokens, start, layout: BlockLayout, encoder_out, cache: LeanCache):
+    def forward_packed(self, tokens, start, layout: BlockLayout, encoder_out, cache: LeanCache,
+                       steps: Optional[Tensor] = None, block_mask: Optional[Tensor] = None):
         """Features (N, d) at the block's real positions, packed as ``layout`` says.
 
         Position-wise work (projections, feed-forward, layer norms) runs on the real positions
         only; attention runs on the (L, B) grid, with padding masked as a key and its query
         outputs dropped. A block without padding runs exactly the module path's shapes.
+
+        By default block position i of row b is decoder step ``start[b] + i`` and the block is
+        causal. A block-causal drafter (``glat_drafter`` with block-causal attention) gives its
+        own (B, L) ``steps`` and an additive (L, L) ``block_mask`` for attention inside the block
+        (the cache stays visible to every position).
         """
         dec = self.decoder
         bsz, length = tokens.size()
         block_pad = layout.block_pad
         if not cache.enc_keys:
             self._project_encoder(cache, encoder_out, bsz)
-        steps = start.unsqueeze(1) + torch.arange(length, device=tokens.device)
+        if steps is None:
+            steps = start.unsqueeze(1) + torch.arange(length, device=tokens.device)
         positions = steps + self.padding_idx + 1
         if not layout.dense:
             positions = positions.masked_fill(block_pad, self.padding_idx + 1)
@@ -196,7 +203,10 @@ class LeanBlockDecoder(BlockDecoder):
 
         cached = cache.length
         causal = None
-        if length > 1:
+        if block_mask is not None:
+            causal = x.new_zeros(length, cached + length)
+            causal[:, cached:] = block_mask
+        elif length > 1:
             causal = x.new_zeros(length, cached + length)
             causal[:, cached:] = torch.triu(x.new_full((length, length), float("-inf")), diagonal=1)
         masked = cache.masked
@@ -293,6 +303,18 @@ class LeanBlockDecoder(BlockDecoder):
             cache.masked = cache.masked[:, :new_total]
         cache.keys = [k[:, :new_total] for k in cache.keys]
         cache.values = [v[:, :new_total] for v in cache.values]
+
+    def drop_columns(self, cache: LeanCache, first: int, count: int):
+        """Remove cache entries ``first .. first + count - 1`` of every row (a block-causal
+        drafter's mask slots: no later position may attend to them)."""
+        def cut(t: Tensor) -> Tensor:
+            return torch.cat([t[:, :first], t[:, first + count:]], dim=1)
+
+        cache.keys = [cut(k) for k in cache.keys]
+        cache.values = [cut(v) for v in cache.values]
+        if cache.masked is not None:
+            masked = cut(cache.masked)
+            cache.masked = masked if bool(masked.any()) else None
 
     def compact(self, cache: LeanCache, min_holes: float = 0.5):
         if cache.masked is None:

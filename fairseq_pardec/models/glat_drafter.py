@@ -9,14 +9,27 @@ is rare with BPE, and the slots are told apart by their positions).
 
 Training (``--criterion glat_loss``) samples a random prefix per target and uses glancing
 (Qian et al. 2021); see ``fairseq_pardec/criterions/glat_loss.py``.
+
+Options that make the drafter cheap to run next to a trained verifier (ours, not the paper's):
+
+* ``--drafter-attention block-causal``: prefix positions attend causally (as the verifier's
+  decoder does), the k mask slots attend to the whole prefix and to each other. The prefix's
+  keys/values then never depend on the slots, so decoding caches them: each iteration feeds only
+  the newly accepted tokens plus k slots and drops the slots afterwards
+  (``generators/drafters.py``, ``CachedNARDrafter``). The slots come *first* in the input,
+  ``[MASK x k, BOS, y_1 .. y_p, pad ..]``, with explicit positions (slot j at step p + 1 + j),
+  so one (T, T) attention mask serves every row of a batch whatever its prefix length.
+* ``--drafter-encoder verifier``: the encoder is the verifier's (copied by
+  ``--init-from-verifier``, frozen, run without dropout), so decoding reads the verifier's encoder
+  output instead of running a second encoder.
+* ``--init-drafter-decoder``: every decoder layer (the verifier's first N) starts from the
+  verifier's decoder, not from scratch.
 """
 
 import logging
-import os
 
 import torch
 
-from fairseq import checkpoint_utils
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
     TransformerModel,
@@ -25,7 +38,8 @@ from fairseq.models.transformer import (
 )
 
 from ..errors import UsageError
-from .loading import LOADING_CHECKPOINT
+from ..generators.incremental import BlockDecoder
+from .loading import LOADING_CHECKPOINT, init_from_checkpoint
 from .sizes import tiny_sizes
 
 logger = logging.getLogger(__name__)
@@ -43,44 +57,85 @@ class GlatDrafterModel(TransformerModel):
         parser.add_argument("--init-from-verifier", metavar="PATH",
                             help="initialise the encoder and the embeddings from a trained "
                                  "autoregressive transformer checkpoint of the same sizes")
+        parser.add_argument("--drafter-attention", choices=["bidirectional", "block-causal"],
+                            help="bidirectional (the paper) or block-causal: causal over the "
+                                 "prefix, so decoding caches it and feeds only new tokens")
+        parser.add_argument("--drafter-encoder", choices=["own", "verifier"],
+                            help="verifier: use the verifier's encoder (copied by "
+                                 "--init-from-verifier and frozen); decoding then reads the "
+                                 "verifier's encoder output instead of running a second encoder")
+        parser.add_argument("--init-drafter-decoder", action="store_true",
+                            help="with --init-from-verifier: also initialise the decoder layers "
+                                 "(the verifier's first --decoder-layers) from the verifier")
 
     @classmethod
     def build_model(cls, args, task):
         if getattr(args, "drafter_block_size", 0) < 1:
             raise UsageError("--drafter-block-size must be >= 1 for --arch glat_drafter*")
-        model = super().build_model(args, task)
         path = getattr(args, "init_from_verifier", None)
-        if path:
-            if not LOADING_CHECKPOINT.active:
-                cls._init_from_verifier(model, path)
+        if not path and not LOADING_CHECKPOINT.active:
+            for flag, used in (("--drafter-encoder verifier", getattr(args, "drafter_encoder", "own") == "verifier"),
+                               ("--init-drafter-decoder", getattr(args, "init_drafter_decoder", False))):
+                if used:
+                    raise UsageError("%s needs --init-from-verifier PATH (the verifier's "
+                                     "checkpoint)" % flag)
+        model = super().build_model(args, task)
+        if path and not LOADING_CHECKPOINT.active:
+            cls._init_from_verifier(model, path, getattr(args, "init_drafter_decoder", False))
+        if getattr(args, "drafter_encoder", "own") == "verifier":
+            for param in model.encoder.parameters():
+                param.requires_grad = False
         return model
 
     @staticmethod
-    def _init_from_verifier(model, path):
-        if not os.path.isfile(path):
-            raise UsageError("--init-from-verifier: no checkpoint file %r" % path)
-        state = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
-        wanted = {k: v for k, v in state.items()
-                  if k.startswith("encoder.") or k.startswith("decoder.embed_tokens")
-                  or k.startswith("decoder.output_projection")}
-        own = model.state_dict()
-        bad = [k for k, v in wanted.items() if k not in own or own[k].shape != v.shape]
-        if bad:
-            raise UsageError("--init-from-verifier %s does not match the drafter's sizes (%s)"
-                             % (path, bad[:3]))
-        model.load_state_dict(wanted, strict=False)
-        logger.info("initialised the drafter's encoder and embeddings from %s", path)
+    def _init_from_verifier(model, path, with_decoder):
+        # the verifier may have more decoder layers than the drafter (its first N are copied)
+        own_layers = len(model.decoder.layers)
+        extra = tuple("decoder.layers.%d." % i for i in range(own_layers, 64))
+        decoder_parts = ("decoder.layers.", "decoder.layer_norm.", "decoder.embed_positions.",
+                         "decoder.layernorm_embedding.")
+        init_from_checkpoint(
+            model, path, "--init-from-verifier",
+            may_differ=extra + (() if with_decoder else decoder_parts),
+            skip=() if with_decoder else decoder_parts,
+        )
+        logger.info("initialised the drafter's encoder, embeddings%s from %s",
+                    " and decoder" if with_decoder else "", path)
 
     @property
     def block_size(self):
         return self.args.drafter_block_size
 
+    @property
+    def block_causal(self) -> bool:
+        return getattr(self.args, "drafter_attention", "bidirectional") == "block-causal"
+
+    @property
+    def reads_verifier_encoder(self) -> bool:
+        return getattr(self.args, "drafter_encoder", "own") == "verifier"
+
     def mask_index(self):
         return self.decoder.dictionary.unk()
 
+    def encode(self, src_tokens, src_lengths):
+        """The encoder output the drafter reads. A verifier's encoder (``--drafter-encoder
+        verifier``) is frozen and runs as at decoding time: no dropout, no gradient."""
+        if not self.reads_verifier_encoder:
+            return self.encoder(src_tokens, src_lengths=src_lengths)
+        mode = self.encoder.training
+        self.encoder.eval()
+        try:
+            with torch.no_grad():
+                return self.encoder(src_tokens, src_lengths=src_lengths)
+        finally:
+            self.encoder.train(mode)
+
     def forward(self, src_tokens, src_lengths, prev_output_tokens, **kwargs):
-        """Bidirectional decoding of ``prev_output_tokens`` (prefix and mask slots)."""
-        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
+        """Decoding of ``prev_output_tokens`` (prefix and mask slots): all logits."""
+        encoder_out = self.encode(src_tokens, src_lengths)
+        if self.block_causal:
+            features = self.block_causal_features(prev_output_tokens, encoder_out)
+            return self.decoder.output_layer(features), None
         return self.decode(prev_output_tokens, encoder_out)
 
     def decode(self, tokens, encoder_out):
@@ -90,13 +145,62 @@ class GlatDrafterModel(TransformerModel):
     def slot_logits(self, tokens, slots, encoder_out):
         """Logits (B, k, V) at the mask slots only: the vocabulary projection of the prefix
         positions, which nobody reads, is skipped (about half of it with a long prefix)."""
-        features = self.decoder(tokens, encoder_out=encoder_out, full_context_alignment=True,
-                                features_only=True)[0]
+        if self.block_causal:
+            features = self.block_causal_features(tokens, encoder_out)
+        else:
+            features = self.decoder(tokens, encoder_out=encoder_out, full_context_alignment=True,
+                                    features_only=True)[0]
         features = features.gather(1, slots.unsqueeze(-1).expand(-1, -1, features.size(-1)))
         return self.decoder.output_layer(features)
 
+    # ------------------------------------------------------------------ block-causal layout
+    def block_causal_steps(self, tokens):
+        """Decoder step of each position of ``[MASK x k, BOS, y_1 .. y_p, pad ..]``: slot j is
+        step p + 1 + j, prefix position i is step i; padding gets -1."""
+        k = self.block_size
+        prefix_len = tokens[:, k:].ne(self.decoder.padding_idx).sum(1)  # p + 1 (BOS)
+        cols = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0)
+        steps = torch.where(cols < k, prefix_len.unsqueeze(1) + cols, cols - k)
+        return steps.masked_fill(tokens.eq(self.decoder.padding_idx), -1)
+
+    @staticmethod
+    def block_causal_mask(k: int, length: int, like: torch.Tensor):
+        """Additive (L, L) mask of [k slots, L - k prefix positions]: slots see everything,
+        prefix positions see the prefix causally and no slot."""
+        mask = like.new_zeros(length, length)
+        prefix = length - k
+        mask[k:, :k] = float("-inf")
+        mask[k:, k:] = torch.triu(like.new_full((prefix, prefix), float("-inf")), diagonal=1)
+        return mask
+
+    def block_causal_features(self, tokens, encoder_out):
+        """Features (B, T, d) of the block-causal decoder over the slot-first layout, through
+        fairseq's own decoder layers (dropout and all, for training)."""
+        dec = self.decoder
+        pad = dec.padding_idx
+        if not hasattr(self, "_embedder"):
+            object.__setattr__(self, "_embedder", BlockDecoder(dec))  # not a submodule
+        steps = self.block_causal_steps(tokens)
+        positions = torch.where(steps >= 0, steps + pad + 1, torch.full_like(steps, pad))
+        x = self._embedder.embed(tokens, positions).transpose(0, 1)
+        self_pad = tokens.eq(pad)
+        mask = self.block_causal_mask(self.block_size, tokens.size(1), x)
+        enc = encoder_out["encoder_out"][0] if len(encoder_out["encoder_out"]) else None
+        enc_pad = (encoder_out["encoder_padding_mask"][0]
+                   if len(encoder_out["encoder_padding_mask"]) else None)
+        for layer in dec.layers:
+            x, _, _ = layer(x, enc, enc_pad, self_attn_mask=mask,
+                            self_attn_padding_mask=self_pad if bool(self_pad.any()) else None)
+        if dec.layer_norm is not None:
+            x = dec.layer_norm(x)
+        x = x.transpose(0, 1)
+        if dec.project_out_dim is not None:
+            x = dec.project_out_dim(x)
+        return x
+
     def draft_inputs(self, prefixes, n_prefix, k):
-        """Build [BOS, prefix, MASK x k] per row (right-padded) and the mask slot positions.
+        """The decoder input per row and the positions of its k mask slots: ``[BOS, prefix,
+        MASK x k]`` (right-padded; block-causal: ``[MASK x k, BOS, prefix]``).
 
         Args:
             prefixes: (B, T) tokens starting with BOS (right part may hold anything).
@@ -104,6 +208,8 @@ class GlatDrafterModel(TransformerModel):
         Returns:
             tokens (B, W) and slots (B, k) positions of the mask slots.
         """
+        if self.block_causal:
+            return self._slot_first_inputs(prefixes, n_prefix, k)
         bsz = prefixes.size(0)
         device = prefixes.device
         width = int(n_prefix.max()) + 1 + k
@@ -118,10 +224,23 @@ class GlatDrafterModel(TransformerModel):
         slots = ends + torch.arange(k, device=device).unsqueeze(0)
         return tokens, slots
 
+    def _slot_first_inputs(self, prefixes, n_prefix, k):
+        bsz, device = prefixes.size(0), prefixes.device
+        width = int(n_prefix.max()) + 1
+        src = prefixes[:, :width]
+        cols = torch.arange(width, device=device).unsqueeze(0)
+        prefix = src.masked_fill(cols > n_prefix.unsqueeze(1), self.decoder.padding_idx)
+        masks = prefixes.new_full((bsz, k), self.mask_index())
+        slots = torch.arange(k, device=device).unsqueeze(0).expand(bsz, k)
+        return torch.cat([masks, prefix], 1), slots
+
 
 def _defaults(args, k=25):
     args.drafter_block_size = getattr(args, "drafter_block_size", k)
     args.init_from_verifier = getattr(args, "init_from_verifier", None)
+    args.drafter_attention = getattr(args, "drafter_attention", None) or "bidirectional"
+    args.drafter_encoder = getattr(args, "drafter_encoder", None) or "own"
+    args.init_drafter_decoder = getattr(args, "init_drafter_decoder", False)
 
 
 @register_model_architecture("glat_drafter", "glat_drafter")

@@ -16,14 +16,15 @@ class _LoadingCheckpoint(threading.local):
 LOADING_CHECKPOINT = _LoadingCheckpoint()
 
 
-def init_from_checkpoint(model, path, flag, may_differ=()):
+def init_from_checkpoint(model, path, flag, may_differ=(), skip=()):
     """Copy a trained checkpoint's parameters into a new ``model`` (training-time initialisation).
 
     Every parameter of ``model`` must come from ``path`` with the same shape, except those whose
     names start with a prefix in ``may_differ`` (the parts the new architecture adds or replaces:
     proposal heads, direction embeddings, learned positions); the checkpoint may hold such parts
     that the model lacks (a sinusoid buffer where the model has none). Anything else that does
-    not match means other sizes or another model: a one-line error naming ``flag``.
+    not match means other sizes or another model: a one-line error naming ``flag``. Parameters
+    whose names start with a prefix in ``skip`` are not copied (they keep their fresh values).
     """
     import os
 
@@ -44,4 +45,5 @@ def init_from_checkpoint(model, path, flag, may_differ=()):
             "%s %s does not match this model (missing %s, unexpected %s, other shape %s): train "
             "with the checkpoint's sizes (--encoder/decoder-embed-dim, layers, ffn, heads) and its "
             "dictionaries" % (flag, path, missing[:3], unexpected[:3], shaped[:3]))
-    model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    model.load_state_dict({k: v for k, v in state.items()
+                           if k in own and not k.startswith(tuple(skip))}, strict=False)

@@ -1,0 +1,125 @@
+"""The block-causal GAD drafter: its cached incremental drafting equals its full forward, and
+GAD with it (own encoder or the verifier's) stays identical to fairseq greedy."""
+
+import pytest
+import torch
+
+from fairseq_pardec.generators import DraftVerifyGenerator
+from fairseq_pardec.generators.acceptance import ExactAcceptance
+from fairseq_pardec.generators.drafters import CachedNARDrafter
+from fairseq_pardec.models.glat_drafter import GlatDrafterModel
+
+from helpers import by_id, fairseq_greedy, make_task, tiny_args
+from test_gad import train_drafter
+
+
+def causal_drafter(task, k=4, seed=0, verifier=None, layers=2):
+    """A block-causal drafter; with ``verifier`` it reads the verifier's (frozen) encoder and
+    starts from its decoder, as ``--drafter-encoder verifier --init-drafter-decoder`` do."""
+    torch.manual_seed(seed)
+    args = tiny_args(encoder_layers=1, decoder_layers=layers)
+    args.drafter_block_size, args.init_from_verifier = k, None
+    args.drafter_attention = "block-causal"
+    args.drafter_encoder = "own"
+    model = GlatDrafterModel.build_model(args, task)
+    if verifier is not None:
+        state = {k: v for k, v in verifier.state_dict().items()
+                 if k.startswith("encoder.") or k.startswith("decoder.")}
+        model.load_state_dict(state, strict=False)
+        model.args.drafter_encoder = "verifier"
+        for param in model.encoder.parameters():
+            param.requires_grad = False
+    model.eval()
+    return model
+
+
+def gad(verifier, drafter, d, k=4):
+    return DraftVerifyGenerator(
+        [verifier], d, CachedNARDrafter(drafter, k, d.eos(), d.pad()), ExactAcceptance(),
+        max_len_a=1.0, max_len_b=10,
+    )
+
+
+@pytest.fixture(scope="module")
+def trained_causal_drafter(copy_model):
+    verifier, d, make_sample = copy_model
+    task = make_task(d)
+    model = causal_drafter(task, k=4, verifier=verifier)
+    losses = train_drafter(model, task, make_sample, steps=150)
+    return verifier, model, task, make_sample, losses
+
+
+def test_block_causal_layout_and_mask(copy_model):
+    _, d, _ = copy_model
+    model = causal_drafter(make_task(d), k=2)
+    prefixes = torch.tensor([[2, 7, 8, 9], [2, 5, 1, 1]])
+    tokens, slots = model.draft_inputs(prefixes, torch.tensor([2, 1]), 2)
+    unk, pad = d.unk(), d.pad()
+    assert tokens.tolist() == [[unk, unk, 2, 7, 8], [unk, unk, 2, 5, pad]]
+    assert slots.tolist() == [[0, 1], [0, 1]]
+    assert model.block_causal_steps(tokens).tolist() == [[3, 4, 0, 1, 2], [2, 3, 0, 1, -1]]
+    mask = model.block_causal_mask(2, 5, torch.zeros(1)).isinf()
+    assert not mask[:2].any()  # slots see everything
+    assert mask[2:, :2].all()  # the prefix never sees a slot
+    assert mask[2:, 2:].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+
+
+@pytest.mark.parametrize("reads_verifier", [False, True])
+def test_cached_drafting_equals_full_forward(copy_model, reads_verifier):
+    """Feed a random acceptance schedule through the cached drafter (rows finishing on the way)
+    and compare every iteration's slot logits with the uncached forward over the whole prefix."""
+    verifier, d, make_sample = copy_model
+    model = causal_drafter(make_task(d), k=4, seed=3, verifier=verifier if reads_verifier else None)
+    drafter = CachedNARDrafter(model, 4, d.eos(), d.pad())
+    sample = make_sample(6, seed=11)
+    net = sample["net_input"]
+    encoder_out = verifier.encoder.forward_torchscript(net)
+    drafter.start(sample, encoder_out, d.eos())
+    full_encoder = model.encode(net["src_tokens"], net["src_lengths"])
+    g = torch.Generator().manual_seed(0)
+    bsz, max_len = 6, 20
+    tokens = torch.full((bsz, max_len + 2), d.pad())
+    tokens[:, 0] = d.eos()
+    tokens[:, 1:] = torch.randint(d.nspecial, len(d), (bsz, max_len + 1), generator=g)
+    n_out = torch.zeros(bsz, dtype=torch.long)
+    rows = torch.arange(bsz)
+    for it in range(7):
+        room = max_len - n_out
+        drafter.propose(rows, tokens, n_out, room)
+        got = drafter.last_logits
+        inputs, slots = model.draft_inputs(tokens, n_out, 4)
+        enc = model.encoder.reorder_encoder_out(full_encoder, rows)
+        want = model.slot_logits(inputs, slots, enc)
+        want[..., d.pad()] = float("-inf")  # as the drafter masks it
+        assert torch.allclose(got, want, atol=1e-4), (it, (got - want).abs().max())
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        n_out = n_out + torch.randint(1, 4, (rows.numel(),), generator=g)
+        if it == 3:  # two sentences finish: the batch shrinks
+            keep = torch.tensor([0, 2, 3, 5])
+            rows, tokens, n_out = rows[keep], tokens[keep], n_out[keep]
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+def test_cached_gad_equals_greedy_random_drafter(copy_model, batch_size):
+    verifier, d, make_sample = copy_model
+    model = causal_drafter(make_task(d), k=5, seed=batch_size)
+    sample = make_sample(batch_size, seed=70 + batch_size)
+    expected = fairseq_greedy(verifier, d, sample, max_len_a=1.0, max_len_b=10)
+    assert by_id(sample, expected) == by_id(sample, gad(verifier, model, d, k=5).generate([verifier], sample))
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+def test_cached_gad_equals_greedy_trained_drafter(trained_causal_drafter, batch_size):
+    verifier, model, task, make_sample, losses = trained_causal_drafter
+    d = task.target_dictionary
+    sample = make_sample(batch_size, seed=batch_size)
+    expected = fairseq_greedy(verifier, d, sample, max_len_a=1.0, max_len_b=10)
+    generator = gad(verifier, model, d)
+    assert by_id(sample, expected) == by_id(sample, generator.generate([verifier], sample))
+    assert generator.stats.tokens_per_iteration > 1.5  # the drafts get accepted
+
+
+def test_frozen_verifier_encoder_is_not_trained(trained_causal_drafter):
+    verifier, model, *_ = trained_causal_drafter
+    theirs = verifier.encoder.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in model.encoder.state_dict().items())
