@@ -3,11 +3,16 @@
 # beam 5 through fairseq-generate; its output replaces the training targets, binarized with the SAME
 # dictionary; valid and test stay the original (human) references.
 #
+# Self-distillation for drafters and proposal heads: give the verifier itself as TEACHER_CKPT with
+# BEAM=1 (GENERATOR=lean_greedy decodes the same greedy output faster): the targets are then
+# exactly what the verifier outputs, i.e. what a lossless draft must match to be accepted.
+#
 # usage: examples/distill.sh DATA_BIN TEACHER_CKPT BPE_DIR OUT_DIR SRC TGT
 #   DATA_BIN   fairseq-preprocess output the teacher was trained on (dict.SRC.txt, dict.TGT.txt)
 #   BPE_DIR    the BPE text it was binarized from (BPE_DIR/train.SRC), as written by bpe-binarize.sh
 #   OUT_DIR    gets raw/train.{SRC,TGT} (BPE text) and bin/ (train distilled; valid/test copied)
-#   BEAM (default 5), MAX_TOKENS (default 8000), THREADS; add CPU=1 to force the CPU
+#   BEAM (default 5), GENERATOR (a --generator of ours, e.g. lean_greedy with BEAM=1; default
+#   fairseq's beam search), MAX_TOKENS (default 8000), THREADS; add CPU=1 to force the CPU
 # Sentences the teacher cannot decode (too long for the model) keep their original target.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,9 +25,10 @@ mkdir -p "$OUT/raw" "$OUT/bin"
 log() { echo "[distill $(date +%H:%M:%S)] $*" >&2; }
 
 if [ ! -s "$OUT/raw/generate-train.txt" ]; then
-  log "teacher decodes the training set (beam ${BEAM:-5})"
+  log "teacher decodes the training set (beam ${BEAM:-5}${GENERATOR:+, --generator $GENERATOR})"
   fairseq-generate "$DATA" --user-dir "$HERE/fairseq_pardec" --task translation_pardec \
     -s "$SRC" -t "$TGT" --path "$TEACHER" --gen-subset train --beam "${BEAM:-5}" \
+    ${GENERATOR:+--generator "$GENERATOR"} \
     --max-tokens "${MAX_TOKENS:-8000}" --skip-invalid-size-inputs-valid-test \
     ${CPU:+--cpu} > "$OUT/raw/generate-train.tmp" 2> "$OUT/raw/generate-train.log"
   mv "$OUT/raw/generate-train.tmp" "$OUT/raw/generate-train.txt"

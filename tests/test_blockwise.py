@@ -208,3 +208,48 @@ def test_position_head_sampling_labels_and_gradients():
     loss.backward()
     grad = model.decoder.proposal.fc2.weight.grad.view(3, -1, model.decoder.proposal.fc2.weight.size(1))
     assert size > 0 and all(float(g.abs().sum()) > 0 for g in grad)
+
+
+@pytest.fixture(scope="module")
+def trained_light_heads(copy_model):
+    """Light heads (one small residual block each) on a frozen copy of the near-copy model."""
+    base, d, make_sample = copy_model
+    task = make_task(d)
+    model = blockwise_model(task, heads=4, base=base, encoder_layers=1, decoder_layers=2,
+                            proposal_layer="light", proposal_hidden_dim=16)
+    for name, param in model.named_parameters():
+        param.requires_grad = name.startswith("decoder.proposal.")
+    criterion = BlockwiseCrossEntropyCriterion(task, False, 0.0, head_sampling="mean")
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    model.train()
+    for step in range(200):
+        loss, _, _ = criterion(model, make_sample(32, seed=3000 + step))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return base, model, task, make_sample
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+def test_light_heads_frozen_base_equal_base_greedy(trained_light_heads, batch_size):
+    base, model, task, make_sample = trained_light_heads
+    sample = make_sample(batch_size, seed=40 + batch_size)
+    expected = fairseq_greedy(base, task.target_dictionary, sample, max_len_a=1.0, max_len_b=10)
+    generator = blockwise_generator(task, model)
+    assert by_id(sample, expected) == by_id(sample, generator.generate([model], sample))
+    if batch_size == 64:  # frozen features limit the heads; random heads accept ~nothing (1.0)
+        assert generator.stats.tokens_per_iteration > 1.1
+
+
+def test_light_heads_shapes_and_identity_start():
+    from fairseq_pardec.models.blockwise_transformer import LightProposalLayer
+
+    layer = LightProposalLayer(8, 3, heads=4, identity_first_head=True)
+    x = torch.randn(2, 5, 8)
+    out = layer(x)
+    assert out.shape == (2, 5, 4, 8)
+    assert torch.equal(out, x.unsqueeze(-2).expand_as(out))  # W2 = 0: every head is p_1
+    torch.nn.init.normal_(layer.fc2_weight)
+    assert torch.equal(layer(x, heads=2), layer(x)[..., :2, :])  # a prefix of the heads
+    assert layer.fc1.weight.numel() + layer.fc2_weight.numel() == 2 * 3 * 8 * 3

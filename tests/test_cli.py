@@ -312,6 +312,21 @@ def blockwise_checkpoint(cli_data, stock_checkpoint):
     return save / "checkpoint_last.pt"
 
 
+def test_light_heads_train_with_fairseq_train_and_decode_as_greedy(cli_data, stock_checkpoint, tmp_path):
+    root, data = cli_data
+    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
+        *with_arch("blockwise_transformer"), "--proposal-heads", 3, "--identity-first-head",
+        "--freeze-base", "--init-from-transformer", stock_checkpoint / "checkpoint_last.pt",
+        "--proposal-layer", "light", "--proposal-hidden-dim", 8,
+        "--criterion", "blockwise_cross_entropy", "--max-update", 4, "--save-dir", tmp_path,
+        "--no-epoch-checkpoints")
+    base = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "greedy",
+                    "--batch-size", 8)
+    light = generate(data, tmp_path / "checkpoint_last.pt", "--generator", "blockwise",
+                     "--batch-size", 8)
+    assert hypotheses(light.stdout) == hypotheses(base.stdout)
+
+
 def test_blockwise_cli_frozen_identity_equals_base_greedy(cli_data, stock_checkpoint, blockwise_checkpoint):
     _, data = cli_data
     base = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "greedy",

@@ -16,6 +16,9 @@ class DecodeStats:
     ``tokens_per_iteration`` is the mean number of tokens a sentence gains per decoder call
     (1.0 for left-to-right search, more for draft-and-verify and multi-word methods).
     ``wall_time`` covers ``generate`` only: model loading and data loading are excluded.
+    ``drafter_time`` is the part of it spent in a draft-and-verify generator's drafter (its
+    ``propose`` and ``observe``); measured on the CPU only (on a GPU the drafter's kernels run
+    asynchronously and timing them would need a synchronisation per iteration).
     """
 
     sentences: int = 0
@@ -23,6 +26,7 @@ class DecodeStats:
     decoder_calls: int = 0
     row_iterations: int = 0
     wall_time: float = 0.0
+    drafter_time: float = 0.0
 
     @property
     def tokens_per_iteration(self) -> float:
@@ -36,6 +40,7 @@ class DecodeStats:
         for name in ("sentences", "target_tokens", "decoder_calls", "row_iterations"):
             setattr(self, name, 0)
         self.wall_time = 0.0
+        self.drafter_time = 0.0
 
     def as_dict(self):
         out = asdict(self)

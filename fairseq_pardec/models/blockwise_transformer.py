@@ -3,7 +3,8 @@
 A fairseq transformer whose decoder output goes through one multi-output feed-forward layer
 (hidden size k x d_ffn, output k x d_model) with a residual connection from its input to each of
 the k outputs; the model's own output projection is applied to each output, giving p_1 ... p_k,
-where p_i predicts the token i positions ahead. ``--identity-first-head`` makes p_1 the base
+where p_i predicts the token i positions ahead (``--proposal-layer light``: one small residual
+block per head instead, see :class:`LightProposalLayer`). ``--identity-first-head`` makes p_1 the base
 model's own distribution (footnote 1): a frozen base then decodes exactly like the baseline.
 
 fairseq sees p_1 as the model's output (``output_layer``), so stock scoring, ``--generator
@@ -67,16 +68,63 @@ class ProposalLayer(nn.Module):
         return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
 
 
+class LightProposalLayer(nn.Module):
+    """x -> (x + f_1(x), ..., x + f_k(x)), each f_i a small residual block of its own
+    (``--proposal-layer light``): f_i(x) = W2_i relu(W1_i x), hidden size ``hidden_dim``.
+
+    The paper's layer mixes every head's hidden units into every output (its second matrix is
+    k d_ffn x k d_model, so its cost grows with k^2); here head i reads only its own units: cost
+    k (2 d h) per position, about a sixth of one decoder layer's feed-forward at h = d / 4 and
+    k = 8 (d_ffn = 4 d). Outputs start as the identity (W2 = 0), like the paper's.
+    """
+
+    def __init__(self, embed_dim, hidden_dim, heads, identity_first_head, activation_fn="relu"):
+        super().__init__()
+        self.heads = heads
+        self.identity_first_head = identity_first_head
+        self.embed_dim, self.hidden_dim = embed_dim, hidden_dim
+        self.learned = heads - 1 if identity_first_head else heads
+        if self.learned > 0:
+            self.fc1 = nn.Linear(embed_dim, self.learned * hidden_dim)
+            self.fc2_weight = nn.Parameter(torch.zeros(self.learned, hidden_dim, embed_dim))
+            self.fc2_bias = nn.Parameter(torch.zeros(self.learned, embed_dim))
+        self.activation_fn = utils.get_activation_fn(activation_fn)
+
+    def forward(self, x, heads=None):
+        heads = self.heads if heads is None else heads
+        parts = []
+        if self.identity_first_head:
+            parts.append(x.unsqueeze(-2))
+        need = heads - len(parts)
+        if need > 0:
+            rows = need * self.hidden_dim
+            hidden = self.activation_fn(F.linear(x, self.fc1.weight[:rows], self.fc1.bias[:rows]))
+            hidden = hidden.view(x.shape[:-1] + (need, self.hidden_dim))
+            out = torch.einsum("...nh,nhd->...nd", hidden, self.fc2_weight[:need]) + self.fc2_bias[:need]
+            parts.append(x.unsqueeze(-2) + out)
+        return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+
+
 class BlockwiseTransformerDecoder(TransformerDecoderBase):
-    def __init__(self, cfg, dictionary, embed_tokens, heads, identity_first_head, **kwargs):
+    def __init__(self, cfg, dictionary, embed_tokens, heads, identity_first_head,
+                 proposal_layer="paper", proposal_hidden_dim=None, **kwargs):
         super().__init__(cfg, dictionary, embed_tokens, **kwargs)
-        self.proposal = ProposalLayer(
-            self.output_embed_dim,
-            cfg.decoder.ffn_embed_dim,
-            heads,
-            identity_first_head,
-            activation_fn=cfg.activation_fn,
-        )
+        if proposal_layer == "light":
+            self.proposal = LightProposalLayer(
+                self.output_embed_dim,
+                proposal_hidden_dim or max(1, self.output_embed_dim // 4),
+                heads,
+                identity_first_head,
+                activation_fn=cfg.activation_fn,
+            )
+        else:
+            self.proposal = ProposalLayer(
+                self.output_embed_dim,
+                cfg.decoder.ffn_embed_dim,
+                heads,
+                identity_first_head,
+                activation_fn=cfg.activation_fn,
+            )
 
     @property
     def proposal_heads(self):
@@ -108,6 +156,12 @@ class BlockwiseTransformerModel(TransformerModel):
                                  "transformer checkpoint (the proposal layer starts as identity)")
         parser.add_argument("--freeze-base", action="store_true",
                             help="train the proposal layer only (the paper's 'frozen' setting)")
+        parser.add_argument("--proposal-layer", choices=["paper", "light"],
+                            help="paper: one multi-output feed-forward layer (k d_ffn hidden "
+                                 "units shared by all heads); light: one small residual block "
+                                 "per head (--proposal-hidden-dim), cost linear in k")
+        parser.add_argument("--proposal-hidden-dim", type=int, metavar="H",
+                            help="hidden size of each light head (default: decoder embed dim / 4)")
 
     @classmethod
     def build_model(cls, args, task):
@@ -136,6 +190,8 @@ class BlockwiseTransformerModel(TransformerModel):
             embed_tokens,
             heads=args.proposal_heads,
             identity_first_head=getattr(args, "identity_first_head", False),
+            proposal_layer=getattr(args, "proposal_layer", None) or "paper",
+            proposal_hidden_dim=getattr(args, "proposal_hidden_dim", None),
             no_encoder_attn=cfg.no_cross_attention,
         )
 
@@ -150,6 +206,8 @@ def _defaults(args, heads=8):
     args.identity_first_head = getattr(args, "identity_first_head", False)
     args.freeze_base = getattr(args, "freeze_base", False)
     args.init_from_transformer = getattr(args, "init_from_transformer", None)
+    args.proposal_layer = getattr(args, "proposal_layer", None) or "paper"
+    args.proposal_hidden_dim = getattr(args, "proposal_hidden_dim", None)
 
 
 @register_model_architecture("blockwise_transformer", "blockwise_transformer")
@@ -175,4 +233,5 @@ def blockwise_transformer_tiny(args):
     blockwise_transformer(args)
 
 
-__all__ = ["BlockwiseTransformerModel", "BlockwiseTransformerDecoder", "ProposalLayer"]
+__all__ = ["BlockwiseTransformerModel", "BlockwiseTransformerDecoder", "LightProposalLayer",
+           "ProposalLayer"]

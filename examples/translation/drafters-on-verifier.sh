@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Fast path: make an EXISTING fairseq transformer decode faster, losslessly, with a drafter
+# trained in about an hour on top of it (GAD) or with light proposal heads on its frozen base
+# (blockwise). The verifier is never retrained, so its output does not change.
+#
+#   1. self-distillation: the verifier decodes its own training sources greedily
+#      (examples/distill.sh, BEAM=1, --generator lean_greedy); drafters learn exactly what
+#      the verifier outputs, i.e. what exact verification accepts
+#   2. gad:       a block-causal GLAT drafter (its prefix is cached while decoding) that reads
+#                 the verifier's encoder output and starts from the verifier's decoder
+#      blockwise: one small residual block per head (--proposal-layer light) on the frozen
+#                 verifier, identity p_1 (lossless)
+#   3. benchmark: greedy, beam 5, lean_greedy and the new generator(s), batch 1 and 32
+#
+# usage: VERIFIER=ckpt.pt examples/translation/drafters-on-verifier.sh METHOD [DATA_DIR] [OUT]
+#   METHOD    gad, blockwise or both
+#   DATA_DIR  the verifier's data (bin/ and bpe/ as examples/data/prepare-ddtp.sh writes them)
+#   OUT       results/drafters
+# Environment: SRC=de TGT=en; PRESET=cpu (MAX_MINUTES per trained model, default 60; THREADS,
+#   default 2: two models train side by side with METHOD=both, one thread each) or gpu
+#   (drafters up to 20k updates); K (drafter slots / heads, default 8); DRAFTER_LAYERS (default:
+#   the verifier's decoder layers); BENCH=0 trains only; REPEATS, BENCH_SENTENCES.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")/../.." && pwd)
+METHOD=${1:?usage: VERIFIER=ckpt.pt drafters-on-verifier.sh gad|blockwise|both [DATA_DIR] [OUT]}
+DIR=${2:-data-prep/ddtp-de-en}
+OUT=${3:-results/drafters}
+SRC=${SRC:-de} TGT=${TGT:-en}
+PRESET=${PRESET:-cpu}
+THREADS=${THREADS:-2}
+K=${K:-8}
+case "$METHOD" in gad|blockwise|both) ;; *) echo "drafters-on-verifier.sh: error: METHOD must be gad, blockwise or both (got $METHOD)" >&2; exit 1 ;; esac
+[ -n "${VERIFIER:-}" ] && [ -f "$VERIFIER" ] || { echo "drafters-on-verifier.sh: error: set VERIFIER to the trained checkpoint (got '${VERIFIER:-}')" >&2; exit 1; }
+[ -f "$DIR/bin/dict.$SRC.txt" ] || { echo "drafters-on-verifier.sh: error: no binarized data in $DIR/bin" >&2; exit 1; }
+mkdir -p "$OUT"
+log() { echo "[drafters $(date +%H:%M:%S)] $*" >&2; }
+layers=$(python3 - "$VERIFIER" <<'PY'
+import sys, torch
+state = torch.load(sys.argv[1], map_location="cpu", weights_only=False)
+cfg = state.get("cfg") or {}
+model = cfg.get("model") if hasattr(cfg, "get") else None
+print(getattr(model, "decoder_layers", None) or (model or {}).get("decoder_layers")
+      or getattr(state.get("args"), "decoder_layers", 6))
+PY
+)
+DRAFTER_LAYERS=${DRAFTER_LAYERS:-$layers}
+
+SELF=$OUT/self-distilled
+if [ ! -f "$SELF/bin/dict.$SRC.txt" ]; then
+  log "self-distillation: the verifier decodes its training sources greedily"
+  OMP_NUM_THREADS=$THREADS BEAM=1 GENERATOR=lean_greedy THREADS=$THREADS \
+    ${CPU_ONLY:+CPU=1} bash "$HERE/examples/distill.sh" "$DIR/bin" "$VERIFIER" "$DIR/bpe" "$SELF" "$SRC" "$TGT"
+fi
+
+if [ "$PRESET" = gpu ]; then budget=(--max-update 20000); else budget=(); fi
+one=$THREADS; [ "$METHOD" = both ] && one=1
+
+train_gad() {
+  [ -f "$OUT/gad/checkpoint_last.pt" ] && [ -z "${RESUME:-}" ] && return
+  log "GAD drafter: block-causal, verifier's encoder, decoder from the verifier ($DRAFTER_LAYERS layers, k=$K)"
+  OMP_NUM_THREADS=$one ARCH=glat_drafter MAX_MINUTES=${MAX_MINUTES:-60} bash "$HERE/examples/train-transformer.sh" \
+    "$SELF/bin" "$OUT/gad" "$SRC" "$TGT" --criterion glat_loss --drafter-block-size "$K" \
+    --drafter-attention block-causal --drafter-encoder verifier --init-from-verifier "$VERIFIER" \
+    --init-drafter-decoder --decoder-layers "$DRAFTER_LAYERS" --glat-anneal-updates 3000 \
+    --lr 5e-4 "${budget[@]}" > "$OUT/train-gad.log" 2>&1
+}
+train_heads() {
+  [ -f "$OUT/heads/checkpoint_last.pt" ] && [ -z "${RESUME:-}" ] && return
+  log "light proposal heads (k=$K) on the frozen verifier"
+  OMP_NUM_THREADS=$one ARCH=blockwise_transformer MAX_MINUTES=${MAX_MINUTES:-60} bash "$HERE/examples/train-transformer.sh" \
+    "$SELF/bin" "$OUT/heads" "$SRC" "$TGT" --proposal-heads "$K" --identity-first-head --freeze-base \
+    --proposal-layer light --init-from-transformer "$VERIFIER" --criterion blockwise_cross_entropy \
+    --head-sampling position --warmup-updates 100 "${budget[@]}" > "$OUT/train-heads.log" 2>&1
+}
+case "$METHOD" in
+  gad) train_gad ;;
+  blockwise) train_heads ;;
+  both) train_gad & gad_pid=$!; train_heads & heads_pid=$!; wait $gad_pid; wait $heads_pid ;;
+esac
+[ "${BENCH:-1}" = 0 ] && exit 0
+
+log "benchmark: greedy, beam 5, lean_greedy and the new generators (batch 1 and 32)"
+specs=(greedy beam:beam=5 lean_greedy)
+if [ "$METHOD" != blockwise ]; then
+  specs+=("gad:label=gad-cached-k$K,drafter_path='$OUT/gad/checkpoint_last.pt'"
+          "gad:label=gad++top3-tau1,drafter_path='$OUT/gad/checkpoint_last.pt',gad_beta=3,gad_tau=1.0")
+fi
+if [ "$METHOD" != gad ]; then
+  specs+=("blockwise:label=blockwise-light-k$K,path='$OUT/heads/checkpoint_last.pt'")
+fi
+OMP_NUM_THREADS=$THREADS python -m fairseq_pardec.benchmark "$DIR/bin" --path "$VERIFIER" -s "$SRC" -t "$TGT" \
+  --threads "$THREADS" --repeats "${REPEATS:-3}" ${BENCH_SENTENCES:+--max-sentences $BENCH_SENTENCES} \
+  --max-len-a 1.2 --max-len-b 10 --generators "${specs[@]}" --batch-sizes 1 32 --out-dir "$OUT/bench"
