@@ -12,7 +12,9 @@
 #   BPE_DIR    the BPE text it was binarized from (BPE_DIR/train.SRC), as written by bpe-binarize.sh
 #   OUT_DIR    gets raw/train.{SRC,TGT} (BPE text) and bin/ (train distilled; valid/test copied)
 #   BEAM (default 5), GENERATOR (a --generator of ours, e.g. lean_greedy with BEAM=1; default
-#   fairseq's beam search), MAX_TOKENS (default 8000), THREADS; add CPU=1 to force the CPU
+#   fairseq's beam search), GEN_ARGS (more fairseq-generate flags, e.g. "--max-len-a 1.2
+#   --max-len-b 10" as the verifier is used), MAX_TOKENS (default 8000), THREADS; CPU=1 forces
+#   the CPU
 # Sentences the teacher cannot decode (too long for the model) keep their original target.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,7 +30,7 @@ if [ ! -s "$OUT/raw/generate-train.txt" ]; then
   log "teacher decodes the training set (beam ${BEAM:-5}${GENERATOR:+, --generator $GENERATOR})"
   fairseq-generate "$DATA" --user-dir "$HERE/fairseq_pardec" --task translation_pardec \
     -s "$SRC" -t "$TGT" --path "$TEACHER" --gen-subset train --beam "${BEAM:-5}" \
-    ${GENERATOR:+--generator "$GENERATOR"} \
+    ${GENERATOR:+--generator "$GENERATOR"} ${GEN_ARGS:-} \
     --max-tokens "${MAX_TOKENS:-8000}" --skip-invalid-size-inputs-valid-test \
     ${CPU:+--cpu} > "$OUT/raw/generate-train.tmp" 2> "$OUT/raw/generate-train.log"
   mv "$OUT/raw/generate-train.tmp" "$OUT/raw/generate-train.txt"

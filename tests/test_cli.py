@@ -417,6 +417,40 @@ def test_gad_cli_equals_greedy(cli_data, stock_checkpoint, drafter_checkpoint):
     assert len(hypotheses(plus.stdout)) == N_TEST
 
 
+def test_self_distilled_block_causal_drafter_on_a_verifier(cli_data, stock_checkpoint, tmp_path):
+    """The fast path: self-distillation (one line per training source), a block-causal drafter
+    reading the verifier's encoder and starting from its decoder, trained with the stock
+    fairseq-train; GAD with it equals greedy."""
+    root, data = cli_data
+    verifier = stock_checkpoint / "checkpoint_last.pt"
+    env = dict(os.environ, BEAM="1", GENERATOR="lean_greedy", CPU="1", THREADS="1",
+               OMP_NUM_THREADS="2", PYTHONWARNINGS="ignore",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    out = tmp_path / "self"
+    subprocess.run(["bash", os.path.join(ROOT, "examples", "distill.sh"), str(data), str(verifier),
+                    str(root / "raw"), str(out), "src", "tgt"], check=True, env=env,
+                   capture_output=True, timeout=600)
+    sources = (root / "raw" / "train.src").read_text(encoding="utf-8").splitlines()
+    targets = (out / "raw" / "train.tgt").read_text(encoding="utf-8").splitlines()
+    assert len(targets) == len(sources) == 300
+    # the targets are the verifier's own greedy output for the training sources
+    greedy = generate(data, verifier, "--generator", "greedy", "--gen-subset", "train",
+                      "--batch-size", 64)
+    assert all(targets[i] == text for i, text in hypotheses(greedy.stdout).items())
+
+    save = tmp_path / "drafter"
+    run("fairseq_cli.train", out / "bin", "--user-dir", PLUGIN, "--task", "translation_pardec",
+        *with_arch("glat_drafter"), "--drafter-block-size", 4, "--criterion", "glat_loss",
+        "--drafter-attention", "block-causal", "--drafter-encoder", "verifier",
+        "--init-from-verifier", verifier, "--init-drafter-decoder", "--glat-anneal-updates", 10,
+        "--max-update", 6, "--save-dir", save, "--no-epoch-checkpoints")
+    drafter = save / "checkpoint_last.pt"
+    want = generate(data, verifier, "--generator", "greedy", "--batch-size", 8)
+    got = generate(data, verifier, "--generator", "gad", "--drafter-path", drafter, "--batch-size", 8)
+    assert hypotheses(got.stdout) == hypotheses(want.stdout)
+    assert len(hypotheses(got.stdout)) == N_TEST
+
+
 @pytest.mark.parametrize("flags,needle", [
     ([], "--drafter-path"),
     (["--drafter-path", "/no/such/drafter.pt"], "no such file"),

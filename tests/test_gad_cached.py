@@ -1,6 +1,8 @@
 """The block-causal GAD drafter: its cached incremental drafting equals its full forward, and
 GAD with it (own encoder or the verifier's) stays identical to fairseq greedy."""
 
+import copy
+
 import pytest
 import torch
 
@@ -33,9 +35,10 @@ def causal_drafter(task, k=4, seed=0, verifier=None, layers=2):
     return model
 
 
-def gad(verifier, drafter, d, k=4):
+def gad(verifier, drafter, d, k=4, adaptive=False):
     return DraftVerifyGenerator(
-        [verifier], d, CachedNARDrafter(drafter, k, d.eos(), d.pad()), ExactAcceptance(),
+        [verifier], d, CachedNARDrafter(drafter, k, d.eos(), d.pad(), adaptive=adaptive),
+        ExactAcceptance(),
         max_len_a=1.0, max_len_b=10,
     )
 
@@ -114,12 +117,25 @@ def test_cached_gad_equals_greedy_trained_drafter(trained_causal_drafter, batch_
     d = task.target_dictionary
     sample = make_sample(batch_size, seed=batch_size)
     expected = fairseq_greedy(verifier, d, sample, max_len_a=1.0, max_len_b=10)
-    generator = gad(verifier, model, d)
-    assert by_id(sample, expected) == by_id(sample, generator.generate([verifier], sample))
-    assert generator.stats.tokens_per_iteration > 1.5  # the drafts get accepted
+    for adaptive in (False, True):  # fixed k, or each row's cap following its acceptance
+        generator = gad(verifier, model, d, adaptive=adaptive)
+        assert by_id(sample, expected) == by_id(sample, generator.generate([verifier], sample))
+        assert generator.stats.tokens_per_iteration > 1.5  # the drafts get accepted
 
 
 def test_frozen_verifier_encoder_is_not_trained(trained_causal_drafter):
     verifier, model, *_ = trained_causal_drafter
     theirs = verifier.encoder.state_dict()
     assert all(torch.equal(v, theirs[k]) for k, v in model.encoder.state_dict().items())
+
+
+def test_drafter_of_another_verifier_is_refused(trained_causal_drafter):
+    from fairseq_pardec.generators.drafter_loading import _check_same_encoder
+
+    verifier, model, *_ = trained_causal_drafter
+    _check_same_encoder("d.pt", model, verifier)  # its own verifier: fine
+    other = copy.deepcopy(verifier)
+    with torch.no_grad():
+        next(other.encoder.parameters()).add_(1e-3)
+    with pytest.raises(ValueError, match="another verifier's encoder"):
+        _check_same_encoder("d.pt", model, other)

@@ -21,8 +21,15 @@
 # Frozen = base parameters frozen, identity p_1 (lossless w.r.t. the base); finetune = all
 # parameters trained (p_1 changes). Every model starts from its base (--init-from-transformer).
 # Prints the table (markdown) at the end; OUT/bench-*/results.json hold the measurements.
+# Fast path on top of a model you already have: VERIFIER=path/to/checkpoint.pt blockwise.sh
+#   [DATA_BIN] [IGNORED] [IGNORED] [OUT] runs examples/translation/drafters-on-verifier.sh
+#   blockwise (self-distillation, light heads on the frozen model, lossless).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
+if [ -n "${VERIFIER:-}" ]; then
+  exec bash "$HERE/examples/translation/drafters-on-verifier.sh" blockwise \
+    "$(dirname "${1:-data-prep/ddtp-de-en/bin}")" "${4:-results/blockwise-fast}"
+fi
 DATA=${1:-data-prep/ddtp-de-en/bin}
 BASE=${2:-checkpoints/ddtp-de-en-${PRESET:-cpu}/checkpoint_best.pt}
 DISTILLED=${3:-data-prep/ddtp-de-en-distilled/bin}

@@ -48,7 +48,7 @@ DRAFTER_LAYERS=${DRAFTER_LAYERS:-$layers}
 SELF=$OUT/self-distilled
 if [ ! -f "$SELF/bin/dict.$SRC.txt" ]; then
   log "self-distillation: the verifier decodes its training sources greedily"
-  OMP_NUM_THREADS=$THREADS BEAM=1 GENERATOR=lean_greedy THREADS=$THREADS \
+  OMP_NUM_THREADS=$THREADS BEAM=1 GENERATOR=lean_greedy THREADS=$THREADS GEN_ARGS="--max-len-a 1.2 --max-len-b 10" \
     ${CPU_ONLY:+CPU=1} bash "$HERE/examples/distill.sh" "$DIR/bin" "$VERIFIER" "$DIR/bpe" "$SELF" "$SRC" "$TGT"
 fi
 

@@ -11,8 +11,15 @@
 #   TEACHER_CKPT  checkpoints/ddtp-de-en-${PRESET}/checkpoint_best.pt (train-baseline.sh)
 #   PRESET=cpu (d256, 3+3 layers; MAX_MINUTES per model, default 20) or gpu (Transformer-base)
 #   THREADS, REPEATS (3), BENCH_SENTENCES (default: whole test set), KS ("5 10 15 25")
+# Fast path on top of a model you already have (no teacher, no retrained verifier):
+#   VERIFIER=path/to/checkpoint.pt examples/translation/gad.sh [DATA_DIR] [IGNORED] [OUT]
+#   runs examples/translation/drafters-on-verifier.sh gad (self-distillation, a block-causal
+#   drafter reading the verifier's encoder, about an hour on 2 CPU cores).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
+if [ -n "${VERIFIER:-}" ]; then
+  exec bash "$HERE/examples/translation/drafters-on-verifier.sh" gad "${1:-data-prep/ddtp-de-en}" "${3:-results/gad-fast}"
+fi
 DIR=${1:-data-prep/ddtp-de-en}
 PRESET=${PRESET:-cpu}
 TEACHER=${2:-checkpoints/ddtp-de-en-$PRESET/checkpoint_best.pt}

@@ -87,11 +87,14 @@ def build_gad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     drafter = load_drafter(task, cfg.drafter_path, models[0])
     block = cfg.block_size or drafter.block_size
     dictionary = task.target_dictionary
-    # a block-causal drafter caches its prefix; the paper's bidirectional one re-reads it
-    kind = CachedNARDrafter if drafter.block_causal else NARDrafter
-    return build_draft_verify(
-        task, models, args, kind(drafter, block, dictionary.eos(), dictionary.pad()), rule, "gad"
-    )
+    # a block-causal drafter caches its prefix (and, without --block-size, caps each row's
+    # draft by its recent acceptance); the paper's bidirectional one re-reads the prefix
+    if drafter.block_causal:
+        proposer = CachedNARDrafter(drafter, block, dictionary.eos(), dictionary.pad(),
+                                    adaptive=cfg.block_size is None)
+    else:
+        proposer = NARDrafter(drafter, block, dictionary.eos(), dictionary.pad())
+    return build_draft_verify(task, models, args, proposer, rule, "gad")
 
 
 def _refuse_lm(extra_gen_cls_kwargs, name):

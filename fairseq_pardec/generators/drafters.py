@@ -336,9 +336,10 @@ class NARDrafter(Drafter):
             draft = logits.argmax(dim=-1)
         else:  # speculative sampling: draw every slot from the drafter's own distribution
             draft, self.draft_probs = self._draw(logits)
-        cols = torch.arange(self.k, device=draft.device).unsqueeze(0)
-        first_eos = torch.where(draft.eq(self.eos), cols, self.k).min(dim=1).values
-        lengths = torch.minimum(torch.clamp(first_eos + 1, max=self.k), max_len)
+        width = draft.size(1)
+        cols = torch.arange(width, device=draft.device).unsqueeze(0)
+        first_eos = torch.where(draft.eq(self.eos), cols, width).min(dim=1).values
+        lengths = torch.minimum(torch.clamp(first_eos + 1, max=width), max_len)
         draft = draft.masked_fill(cols >= lengths.unsqueeze(1), self.pad)
         if self.draft_probs is not None:
             self.draft_probs = self.draft_probs[:, : int(lengths.max()) if lengths.numel() else 0]
@@ -358,10 +359,14 @@ class CachedNARDrafter(NARDrafter):
     (tests/test_gad_cached.py).
     """
 
-    def __init__(self, model, block_size: int, eos: int, pad: int):
+    def __init__(self, model, block_size: int, eos: int, pad: int, adaptive: bool = False):
         super().__init__(model, block_size, eos, pad)
         from .lean_decoder import LeanBlockDecoder, lean_supported
 
+        # adaptive: a row drafts at most twice its recent mean of accepted draft tokens, plus
+        # one (as iad's copy drafter); the slots it does not draft skip the output layer and
+        # verification. All k slots still run through the decoder layers (the trained layout).
+        self.adaptive = adaptive
         if not lean_supported(model.decoder):
             raise ValueError(
                 "the block-causal drafter's decoder layers use options its cached step does not "
@@ -377,6 +382,8 @@ class CachedNARDrafter(NARDrafter):
         self.cache = self.blocks.new_state()
         self.rows = torch.arange(bsz, device=device)
         self.n_cached = torch.zeros(bsz, dtype=torch.long, device=device)  # BOS + tokens cached
+        self.mean_accepted = torch.full((bsz,), float(self.k), device=device)
+        self.drafted = None
 
     def _follow(self, rows):
         """Drop the cache rows of sentences that left the batch (rows only ever shrink)."""
@@ -410,8 +417,26 @@ class CachedNARDrafter(NARDrafter):
         mask = self.model.block_causal_mask(k, k + width, self.blocks.decoder.embed_tokens.weight)
         features = self.blocks.forward_packed(block, self.n_cached, layout, self.encoder_out,
                                               self.cache, steps=steps, block_mask=mask)
-        logits = self.blocks.logits(features[layout.pos[:, :k].reshape(-1)]).view(b, k, -1)
+        cap = max_len
+        width = k
+        if self.adaptive and self.sampler is None:
+            caps = (2 * self.mean_accepted[rows]).long() + 1
+            cap = torch.minimum(caps, max_len)
+            width = max(1, min(k, int(cap.max())))
+        logits = self.blocks.logits(features[layout.pos[:, :width].reshape(-1)]).view(b, width, -1)
         self.last_logits = logits  # (tests compare it with the full forward)
         self.blocks.drop_columns(self.cache, first, k)
+        self.blocks.compact(self.cache)  # holes left by ragged new tokens
         self.n_cached = n_out + 1
-        return self._finish(logits, max_len)
+        draft, lengths = self._finish(logits, cap)
+        self.drafted = lengths
+        return draft, lengths
+
+    def observe(self, rows, features, last):
+        if not self.adaptive or self.drafted is None:
+            return
+        drafted = self.drafted
+        accepted = torch.minimum(last, drafted).float()
+        mean = self.mean_accepted[rows]
+        self.mean_accepted[rows] = torch.where(drafted > 0, 0.5 * (mean + accepted), mean)
+        self.drafted = None
