@@ -337,6 +337,8 @@ def run(args):
                 "decoder_calls": st["decoder_calls"],
                 "drafter_share": (st["drafter_time"] / st["wall_time"]
                                   if st.get("drafter_time") and st["wall_time"] > 0 else None),
+                "verifier_share": (st["verifier_time"] / st["wall_time"]
+                                   if st.get("verifier_time") and st["wall_time"] > 0 else None),
                 "target_tokens": st["target_tokens"],
                 "checkpoint": paths[label],
             }
@@ -398,6 +400,7 @@ COLUMNS = [
     ("mean_accepted_tokens", "tokens/iter", "%.2f"),
     ("iteration_cost", "iter cost", "%.2f"),
     ("drafter_share", "drafter", "%.0f%%"),
+    ("verifier_share", "verifier", "%.0f%%"),
     ("iterations_per_sentence", "iters/sent", "%.1f"),
     ("identical_to_greedy", "= greedy", "%.1f%%"),
     ("identical_to_source", "= source", "%.1f%%"),
@@ -411,7 +414,8 @@ def markdown(meta, rows):
         "alternating runs after warm-up. *batch*: the batch size asked for; *mean batch*: the "
         "batch size decoded; *iter cost*: wall time of one iteration (decoder call) in greedy "
         "steps of the same batch (at batch 1 the tokens/iter needed to break even); *drafter*: "
-        "share of the decoding time spent drafting (CPU only); *= source*: "
+        "share of the decoding time spent drafting, *verifier*: in the verifier's decoder calls "
+        "(CPU only; the rest is the engine); *= source*: "
         "share of outputs identical to their source (shared vocabularies only); *1st diff at*: "
         "mean token index of the first difference from "
         "greedy, over the sentences that differ."
@@ -427,7 +431,8 @@ def markdown(meta, rows):
             value = row.get(key)
             if value is None:
                 cells.append("")
-            elif key in ("identical_to_greedy", "identical_to_source", "drafter_share"):
+            elif key in ("identical_to_greedy", "identical_to_source", "drafter_share",
+                         "verifier_share"):
                 cells.append(fmt % (100 * value))
             else:
                 cells.append(fmt % value)

@@ -19,7 +19,9 @@
 # Environment: SRC=de TGT=en; PRESET=cpu (MAX_MINUTES per trained model, default 60; THREADS,
 #   default 2: two models train side by side with METHOD=both, one thread each) or gpu
 #   (drafters up to 20k updates); K (drafter slots / heads, default 8); DRAFTER_LAYERS (default:
-#   the verifier's decoder layers); BENCH=0 trains only; REPEATS, BENCH_SENTENCES.
+#   the verifier's decoder layers); DISTILL_SENTENCES=N self-distils (and trains on) only the
+#   first N training sentences (the verifier decodes ~20-40 sentences/s on 2 CPU cores);
+#   BENCH=0 trains only; REPEATS, BENCH_SENTENCES.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
 METHOD=${1:?usage: VERIFIER=ckpt.pt drafters-on-verifier.sh gad|blockwise|both [DATA_DIR] [OUT]}
@@ -45,11 +47,24 @@ PY
 )
 DRAFTER_LAYERS=${DRAFTER_LAYERS:-$layers}
 
+BIN=$DIR/bin BPE=$DIR/bpe
+if [ -n "${DISTILL_SENTENCES:-}" ]; then
+  BIN=$OUT/subset/bin BPE=$OUT/subset/bpe
+  if [ ! -f "$BIN/dict.$SRC.txt" ]; then
+    log "the first $DISTILL_SENTENCES training sentences"
+    mkdir -p "$BPE"
+    for l in "$SRC" "$TGT"; do head -n "$DISTILL_SENTENCES" "$DIR/bpe/train.$l" > "$BPE/train.$l"; done
+    fairseq-preprocess --source-lang "$SRC" --target-lang "$TGT" --trainpref "$BPE/train" \
+      --srcdict "$DIR/bin/dict.$SRC.txt" --tgtdict "$DIR/bin/dict.$TGT.txt" --destdir "$BIN.tmp" \
+      --workers "$THREADS" > "$OUT/subset.log" 2>&1
+    cp "$DIR"/bin/valid.* "$DIR"/bin/test.* "$BIN.tmp/" && mv "$BIN.tmp" "$BIN"
+  fi
+fi
 SELF=$OUT/self-distilled
 if [ ! -f "$SELF/bin/dict.$SRC.txt" ]; then
   log "self-distillation: the verifier decodes its training sources greedily"
   OMP_NUM_THREADS=$THREADS BEAM=1 GENERATOR=lean_greedy THREADS=$THREADS GEN_ARGS="--max-len-a 1.2 --max-len-b 10" \
-    ${CPU_ONLY:+CPU=1} bash "$HERE/examples/distill.sh" "$DIR/bin" "$VERIFIER" "$DIR/bpe" "$SELF" "$SRC" "$TGT"
+    CPU=${CPU_ONLY:+1} bash "$HERE/examples/distill.sh" "$BIN" "$VERIFIER" "$BPE" "$SELF" "$SRC" "$TGT"
 fi
 
 if [ "$PRESET" = gpu ]; then budget=(--max-update 20000); else budget=(); fi

@@ -33,7 +33,7 @@ log() { echo "[gad $(date +%H:%M:%S)] $*" >&2; }
 DISTILLED=$OUT/distilled
 if [ ! -f "$DISTILLED/bin/dict.de.txt" ]; then
   log "distilling the training set with the teacher (beam 5)"
-  THREADS=$THREADS ${CPU_ONLY:+CPU=1} bash "$HERE/examples/distill.sh" "$DIR/bin" "$TEACHER" "$DIR/bpe" "$DISTILLED" de en
+  THREADS=$THREADS CPU=${CPU_ONLY:+1} bash "$HERE/examples/distill.sh" "$DIR/bin" "$TEACHER" "$DIR/bpe" "$DISTILLED" de en
 fi
 
 VERIFIER=$OUT/verifier/checkpoint_best.pt

@@ -181,8 +181,11 @@ class DraftVerifyGenerator(StatsGenerator):
             draft_valid = ~block_pad[:, 1:]
 
             # 2. verify: the position-wise work runs on the block's real positions only
+            t0 = clock() if clock else 0.0
             features = blocks.forward_packed(block, n_out, layout, encoder_out, state)
             lprobs = blocks.log_probs(features, self.temperature)  # (N, V)
+            if clock:
+                self.stats.verifier_time += clock() - t0
             self.stats.decoder_calls += 1
             self.stats.row_iterations += b
             steps = n_out.unsqueeze(1) + cols

@@ -17,8 +17,10 @@ class DecodeStats:
     (1.0 for left-to-right search, more for draft-and-verify and multi-word methods).
     ``wall_time`` covers ``generate`` only: model loading and data loading are excluded.
     ``drafter_time`` is the part of it spent in a draft-and-verify generator's drafter (its
-    ``propose`` and ``observe``); measured on the CPU only (on a GPU the drafter's kernels run
-    asynchronously and timing them would need a synchronisation per iteration).
+    ``propose`` and ``observe``), ``verifier_time`` the part in the verifier's decoder call
+    (block step and log-softmax); the rest is the engine's bookkeeping. Measured on the CPU
+    only (on a GPU kernels run asynchronously and timing them would need a synchronisation per
+    iteration).
     """
 
     sentences: int = 0
@@ -27,6 +29,7 @@ class DecodeStats:
     row_iterations: int = 0
     wall_time: float = 0.0
     drafter_time: float = 0.0
+    verifier_time: float = 0.0
 
     @property
     def tokens_per_iteration(self) -> float:
@@ -41,6 +44,7 @@ class DecodeStats:
             setattr(self, name, 0)
         self.wall_time = 0.0
         self.drafter_time = 0.0
+        self.verifier_time = 0.0
 
     def as_dict(self):
         out = asdict(self)
