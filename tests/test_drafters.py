@@ -141,3 +141,21 @@ def test_cpu_ceiling_shrinks_with_the_active_rows():
     assert drafter_for(["w1"], d, block_size=3)._ceiling(32) == 3  # --block-size: fixed
     drafter.on_cpu = False
     assert drafter._ceiling(1) is None  # GPU: the remaining length
+
+
+def test_generate_time_refusals_name_the_generator():
+    import argparse
+
+    import pytest
+
+    from fairseq_pardec.generators import GENERATORS
+
+    from helpers import make_task, random_batch, tiny_transformer
+
+    d = make_dictionary(20)
+    task = make_task(d)
+    model = tiny_transformer(task)
+    args = argparse.Namespace(beam=1, max_len_a=1.0, max_len_b=5)
+    generator = GENERATORS["iad"](task, [model], args)
+    with pytest.raises(ValueError, match="--generator iad does not support --constraints"):
+        generator.generate([model], random_batch(d, [3]), constraints=torch.zeros(1, 1))

@@ -137,3 +137,23 @@ def test_every_variant_decodes_within_limits(h, c, positions):
             assert hyp["tokens"][-1] == d.eos() and d.eos() not in hyp["tokens"][:-1].tolist()
             assert len(hyp["tokens"]) - 1 <= (17 // z + 1) * z
     assert generator.stats.decoder_calls <= -(-18 // z)  # ceil((max_len + 1) / z) steps at most
+
+
+@pytest.mark.parametrize("h,c", [(2, 1), (4, 1), (2, 2)])
+def test_max_positions_is_the_interleaved_limit(h, c):
+    """A target fitting --max-target-positions may need up to z more slots: the model reports
+    the real limit (fairseq filters by it) and never exits the process inside forward."""
+    d = make_dictionary(30)
+    model = ib_model(make_task(d), h=h, c=c, max_target_positions=14)
+    longest = model.max_positions()[1]  # words + EOS
+    assert longest <= 14
+    words = longest - 1
+    assert ordering.num_steps(words, h, c) * h * c <= 14 < ordering.num_steps(words + 1, h, c) * h * c
+    eos, pad = d.eos(), d.pad()
+    fits = torch.cat([torch.full((1, words), 5), torch.tensor([[eos]])], 1)
+    assert model.interleave_targets(fits).size(1) <= 14
+    too_long = torch.cat([torch.full((1, words + 1), 5), torch.tensor([[eos]])], 1)
+    with pytest.raises(ValueError, match="interleaved slots"):
+        model.interleave_targets(too_long)
+    # 12 words need 14 slots at h = 2, 16 at h = 4 (the issue's example)
+    assert ordering.num_steps(12, 2, 1) * 2 == 14 and ordering.num_steps(12, 4, 1) * 4 == 16

@@ -368,7 +368,7 @@ def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None)
         )
     elif beam not in (1, 5):
         logger.warning("--generator %s decodes greedily; ignoring --beam %d", name, beam)
-    return DraftVerifyGenerator(
+    generator = DraftVerifyGenerator(
         models,
         task.target_dictionary,
         drafter,
@@ -382,3 +382,5 @@ def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None)
         temperature=getattr(args, "temperature", 1.0),
         sampler=sampler,
     )
+    generator.name = name  # refusals at generate time name the generator
+    return generator

@@ -189,6 +189,22 @@ class IBDecoderModel(TransformerModel):
     def words_per_step(self):
         return self.decoder.z
 
+    def max_target_tokens(self) -> int:
+        """Longest target (words + EOS) whose interleaved layout fits the decoder's positions:
+        n words take num_steps(n) * h * c slots, up to z more than n + 1 (12 words: 14 slots
+        at h = 2, 16 at h = 4)."""
+        h, c = self.decoder.h, self.decoder.c
+        limit = self.max_decoder_positions()
+        n = limit
+        while n > 0 and ordering.num_steps(n, h, c) * h * c > limit:
+            n -= 1
+        return n + 1
+
+    def max_positions(self):
+        """fairseq filters (or, in training, skips) examples by this, so a target that fits
+        ``--max-target-positions`` but not its interleaved layout never reaches ``forward``."""
+        return (self.encoder.max_positions(), self.max_target_tokens())
+
     # ---------------------------------------------------------------- training data layout
     def interleave_targets(self, target):
         """fairseq targets (content + EOS, right-padded) -> flat interleaved targets."""
@@ -197,8 +213,8 @@ class IBDecoderModel(TransformerModel):
         lengths = (target.ne(pad) & target.ne(eos)).sum(1)
         flat = ordering.interleave(target, lengths, self.decoder.h, self.decoder.c, eos, pad)
         limit = self.max_decoder_positions()
-        if flat.size(1) > limit:
-            raise UsageError(
+        if flat.size(1) > limit:  # fairseq filters by max_positions(); direct callers may not
+            raise ValueError(
                 "a target of %d tokens needs %d interleaved slots, more than the decoder's "
                 "--max-target-positions %d; raise it or filter long sentences" %
                 (int(lengths.max()), flat.size(1), limit)
