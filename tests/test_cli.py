@@ -186,6 +186,19 @@ def test_block_size_must_be_positive(cli_data, stock_checkpoint):
         assert_clean_error(proc, "--block-size", ">= 1")
 
 
+@pytest.mark.parametrize("generator,flags,needle", [
+    ("iad", ["--drafter-path", "x.pt"], "--drafter-path is an option of --generator gad"),
+    ("greedy", ["--block-size", "4"], "--generator greedy does not use it"),
+    ("lean_greedy", ["--gad-beta", "3"], "--gad-beta is an option of --generator gad"),
+    ("iad", ["--blockwise-topk", "2"], "--blockwise-topk is an option of --generator blockwise"),
+])
+def test_options_of_another_generator_are_refused(cli_data, stock_checkpoint, generator, flags, needle):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", generator,
+                    *flags, check=False)
+    assert_clean_error(proc, needle)
+
+
 def test_missing_data_dir(cli_data, stock_checkpoint):
     root, _ = cli_data
     proc = generate(root / "no-such-dir", stock_checkpoint / "checkpoint_last.pt", check=False)

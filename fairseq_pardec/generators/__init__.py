@@ -97,6 +97,29 @@ def build_gad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     return build_draft_verify(task, models, args, proposer, rule, "gad")
 
 
+# Task options and the generators that read them, with their defaults: any other generator
+# refuses a non-default value instead of silently ignoring it.
+TASK_OPTION_USERS = {
+    "block_size": ("--block-size", None, ("iad", "gad", "blockwise")),
+    "drafter_path": ("--drafter-path", None, ("gad",)),
+    "gad_beta": ("--gad-beta", 1, ("gad",)),
+    "gad_tau": ("--gad-tau", 0.0, ("gad",)),
+    "blockwise_topk": ("--blockwise-topk", 1, ("blockwise",)),
+    "blockwise_distance": ("--blockwise-distance", None, ("blockwise",)),
+    "min_block_size": ("--min-block-size", 1, ("blockwise",)),
+    "interleaved_candidates": ("--interleaved-candidates", None, ("interleaved",)),
+}
+
+
+def refuse_foreign_options(cfg, name):
+    """ValueError naming the first task option set for a generator that does not read it."""
+    for attr, (flag, default, users) in TASK_OPTION_USERS.items():
+        value = getattr(cfg, attr, default)
+        if name not in users and value is not None and value != default:
+            raise ValueError("%s is an option of --generator %s; --generator %s does not use it"
+                             % (flag, " / ".join(users), name))
+
+
 def _refuse_lm(extra_gen_cls_kwargs, name):
     if extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None:
         raise ValueError("--generator %s does not support --lm-path; use --generator beam" % name)
@@ -114,6 +137,7 @@ GENERATORS = {
 
 __all__ = [
     "GENERATORS",
+    "refuse_foreign_options",
     "AcceptanceRule",
     "ExactAcceptance",
     "CopyDrafter",

@@ -18,7 +18,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..errors import UsageError
-from ..generators import GENERATORS
+from ..generators import GENERATORS, refuse_foreign_options
 from ..generators.incremental import UnsupportedDecoder
 
 logger = logging.getLogger(__name__)
@@ -208,6 +208,7 @@ class TranslationPardecTask(TranslationTask):
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
         try:
+            refuse_foreign_options(self.cfg, name)
             generator = GENERATORS[name](
                 self,
                 models,
