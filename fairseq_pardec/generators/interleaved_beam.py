@@ -118,18 +118,22 @@ class InterleavedBeamSearch(StatsGenerator):
             has_eos = words.eq(self.eos).any(-1) & top_scores.ne(-math.inf)
 
             # finish EOS candidates ranked within the first `beam`
+            # one device-to-host copy per step (not one per sentence): sentence ids, and the
+            # source rows of the finished candidates only when there are some
             done_sents = []
+            sents = sent_ids.tolist()
             fin = has_eos[:, :beam].nonzero().tolist()
+            fin_rows = src_row[:, :beam].tolist() if fin else None
             for a, j in fin:
-                sent = int(sent_ids[a])
+                sent = sents[a]
                 if len(finalized[sent]) >= beam:
                     continue
-                row = int(src_row[a, j])
+                row = fin_rows[a][j]
                 flat = tokens[row, z:width].tolist() + words[a, j].tolist()
                 flat_lp = torch.cat([slot_lp[row, : step * z], word_lp[a, j]])
                 finalized[sent].append(self._hypothesis(flat, flat_lp, top_scores[a, j]))
             for a in range(active):
-                if len(finalized[int(sent_ids[a])]) >= beam or step == max_steps - 1:
+                if len(finalized[sents[a]]) >= beam or step == max_steps - 1:
                     done_sents.append(a)
             if len(done_sents) == active:
                 break
