@@ -558,6 +558,8 @@ def test_ibdecoder_bad_input(cli_data, stock_checkpoint, ibdecoder_checkpoint):
     assert_clean_error(proc, "ibdecoder")
     proc = generate(data, ibdecoder_checkpoint, "--generator", "iad", check=False)
     assert_clean_error(proc, "--generator interleaved")
+    proc = generate(data, ibdecoder_checkpoint, "--diverse-beam-groups", 2, check=False)
+    assert_clean_error(proc, "--diverse-beam-groups")
     proc = run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
                *with_arch("ibdecoder"), "--ib-directions", 3, "--max-update", 1,
                "--save-dir", root / "ckpt-bad", check=False)

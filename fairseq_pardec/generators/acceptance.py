@@ -103,7 +103,9 @@ class DistanceAcceptance(AcceptanceRule):
         self.reads_log_probs = False
 
     def token_ok(self, draft, lprobs, verifier_tokens):
-        values = self.values.to(draft.device)
+        if self.values.device != draft.device:  # moved once, not every iteration
+            self.values = self.values.to(draft.device)
+        values = self.values
         distance = (values[draft] - values[verifier_tokens]).abs()
         exact = draft.eq(verifier_tokens)
         return exact | (distance <= self.eps)  # NaN distances (specials) compare False

@@ -60,11 +60,11 @@ def build_greedy(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
         raise ValueError(
             "--generator greedy returns one hypothesis; drop --nbest %d or use --generator beam" % nbest
         )
-    with _overridden(args, beam=1):
+    with overridden(args, beam=1):
         return build_beam(task, models, args, extra_gen_cls_kwargs, **kwargs)
 
 
-class _overridden:
+class overridden:
     """Temporarily set attributes of an argparse Namespace or an omegaconf config."""
 
     def __init__(self, args, **values):

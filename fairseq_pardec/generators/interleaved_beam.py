@@ -198,6 +198,12 @@ def build_interleaved(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
                        ("print_alignment", "--print-alignment"), ("constraints", "--constraints")):
         if getattr(args, attr, None) not in (None, False, 0, "", "none"):
             raise ValueError("--generator interleaved does not support %s" % flag)
+    # fairseq's own defaults for these are -1 (off); > 0 / > -1 would select another search
+    groups, rate = getattr(args, "diverse_beam_groups", -1), getattr(args, "diversity_rate", -1)
+    if groups is not None and groups > 0:
+        raise ValueError("--generator interleaved does not support --diverse-beam-groups")
+    if rate is not None and rate > -1:
+        raise ValueError("--generator interleaved does not support --diversity-rate")
     beam = getattr(args, "beam", 5)
     nbest = getattr(args, "nbest", 1)
     if nbest > beam:

@@ -19,6 +19,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..errors import UsageError
 from ..generators import GENERATORS, refuse_foreign_options
+from ..generators.fairseq_search import overridden
 from ..generators.incremental import UnsupportedDecoder
 
 logger = logging.getLogger(__name__)
@@ -197,10 +198,10 @@ class TranslationPardecTask(TranslationTask):
         prefix_allowed_tokens_fn=None,
     ):
         name = str(self.cfg.generator)
+        beam_one = False
         if models and hasattr(models[0], "words_per_step") and name in ("beam", "greedy"):
             # ibdecoder models emit several words per step: their beam search is "interleaved"
-            if name == "greedy":
-                args = _with_beam_one(args)
+            beam_one = name == "greedy"
             name = "interleaved"
         if getattr(args, "score_reference", False) or seq_gen_cls is not None:
             # Scoring and callers that bring their own generator class get fairseq's path.
@@ -209,13 +210,14 @@ class TranslationPardecTask(TranslationTask):
             )
         try:
             refuse_foreign_options(self.cfg, name)
-            generator = GENERATORS[name](
-                self,
-                models,
-                args,
-                extra_gen_cls_kwargs=extra_gen_cls_kwargs,
-                prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-            )
+            with overridden(args, **({"beam": 1} if beam_one else {})):
+                generator = GENERATORS[name](
+                    self,
+                    models,
+                    args,
+                    extra_gen_cls_kwargs=extra_gen_cls_kwargs,
+                    prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                )
         except (ValueError, UnsupportedDecoder) as error:
             if isinstance(error, UsageError):
                 raise
@@ -226,14 +228,6 @@ class TranslationPardecTask(TranslationTask):
                 _reporter = _SummaryReporter()
             _reporter.add(name, generator)
         return generator
-
-
-def _with_beam_one(args):
-    from argparse import Namespace
-
-    values = dict(vars(args)) if isinstance(args, Namespace) else {k: args[k] for k in args}
-    values["beam"] = 1
-    return Namespace(**values)
 
 
 def _keep_tail_batch(dataset):
