@@ -364,8 +364,7 @@ class CachedNARDrafter(NARDrafter):
         from .lean_decoder import LeanBlockDecoder, lean_supported
 
         # adaptive: a row drafts at most twice its recent mean of accepted draft tokens, plus
-        # one (as iad's copy drafter); the slots it does not draft skip the output layer and
-        # verification. All k slots still run through the decoder layers (the trained layout).
+        # one (as iad's copy drafter); slots no row drafts are not computed at all
         self.adaptive = adaptive
         if not lean_supported(model.decoder):
             raise ValueError(
@@ -398,8 +397,14 @@ class CachedNARDrafter(NARDrafter):
         from .block_layout import BlockLayout
 
         self._follow(rows)
-        k, device = self.k, tokens.device
+        device = tokens.device
         b = rows.numel()
+        # adaptive: only the slots some row will draft are fed (k = the widest row's cap); the
+        # drafter was trained with k slots, fewer mask slots are a shorter block of the same kind
+        cap, k = max_len, self.k
+        if self.adaptive and self.sampler is None:
+            cap = torch.minimum((2 * self.mean_accepted[rows]).long() + 1, max_len)
+            k = max(1, min(self.k, int(cap.max())))
         new = n_out + 1 - self.n_cached  # >= 1: every iteration gains a token (BOS first)
         width = int(new.max())
         cols = torch.arange(width, device=device).unsqueeze(0)
@@ -417,13 +422,7 @@ class CachedNARDrafter(NARDrafter):
         mask = self.model.block_causal_mask(k, k + width, self.blocks.decoder.embed_tokens.weight)
         features = self.blocks.forward_packed(block, self.n_cached, layout, self.encoder_out,
                                               self.cache, steps=steps, block_mask=mask)
-        cap = max_len
-        width = k
-        if self.adaptive and self.sampler is None:
-            caps = (2 * self.mean_accepted[rows]).long() + 1
-            cap = torch.minimum(caps, max_len)
-            width = max(1, min(k, int(cap.max())))
-        logits = self.blocks.logits(features[layout.pos[:, :width].reshape(-1)]).view(b, width, -1)
+        logits = self.blocks.logits(features[layout.pos[:, :k].reshape(-1)]).view(b, k, -1)
         self.last_logits = logits  # (tests compare it with the full forward)
         self.blocks.drop_columns(self.cache, first, k)
         self.blocks.compact(self.cache)  # holes left by ragged new tokens
