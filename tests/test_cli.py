@@ -446,10 +446,12 @@ def test_self_distilled_block_causal_drafter_on_a_verifier(cli_data, stock_check
     sources = (root / "raw" / "train.src").read_text(encoding="utf-8").splitlines()
     targets = (out / "raw" / "train.tgt").read_text(encoding="utf-8").splitlines()
     assert len(targets) == len(sources) == 300
-    # the targets are the verifier's own greedy output for the training sources
-    greedy = generate(data, verifier, "--generator", "greedy", "--gen-subset", "train",
-                      "--batch-size", 64)
-    assert all(targets[i] == text for i, text in hypotheses(greedy.stdout).items())
+    # the targets are the verifier's own greedy output for the training sources, in their order
+    # (decoded as distill.sh decodes them: same batches, same length limit)
+    greedy = generate(data, verifier, "--generator", "lean_greedy", "--beam", 1, "--gen-subset",
+                      "train", "--max-tokens", 8000, "--max-len-b", 200)
+    decoded = hypotheses(greedy.stdout)
+    assert len(decoded) == 300 and all(targets[i] == text for i, text in decoded.items())
 
     save = tmp_path / "drafter"
     run("fairseq_cli.train", out / "bin", "--user-dir", PLUGIN, "--task", "translation_pardec",
