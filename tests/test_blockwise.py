@@ -46,17 +46,21 @@ def trained_heads(copy_model):
     base, d, make_sample = copy_model
     task = make_task(d)
     model = blockwise_model(task, heads=4, base=base, encoder_layers=1, decoder_layers=2)
+    fit_heads(model, task, make_sample, steps=250, lr=2e-3, first_seed=1000)
+    return base, model, task, make_sample
+
+
+def fit_heads(model, task, make_sample, steps, lr, first_seed):
+    """Train the parameters that require gradients with the blockwise criterion (mean of heads)."""
     criterion = BlockwiseCrossEntropyCriterion(task, False, 0.0, head_sampling="mean")
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
-    for step in range(250):
-        sample = make_sample(32, seed=1000 + step)
-        loss, _, _ = criterion(model, sample)
+    for step in range(steps):
+        loss, _, _ = criterion(model, make_sample(32, seed=first_seed + step))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     model.eval()
-    return base, model, task, make_sample
 
 
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
@@ -219,15 +223,7 @@ def trained_light_heads(copy_model):
                             proposal_layer="light", proposal_hidden_dim=16)
     for name, param in model.named_parameters():
         param.requires_grad = name.startswith("decoder.proposal.")
-    criterion = BlockwiseCrossEntropyCriterion(task, False, 0.0, head_sampling="mean")
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    model.train()
-    for step in range(200):
-        loss, _, _ = criterion(model, make_sample(32, seed=3000 + step))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    fit_heads(model, task, make_sample, steps=200, lr=3e-3, first_seed=3000)
     return base, model, task, make_sample
 
 

@@ -34,7 +34,22 @@ from .sizes import tiny_sizes
 logger = logging.getLogger(__name__)
 
 
-class ProposalLayer(nn.Module):
+class _Heads(nn.Module):
+    """Heads p_1..p_k as a residual map per head; p_1 may be the identity (the base itself)."""
+
+    def forward(self, x, heads=None):
+        """(..., d) -> (..., n, d): outputs of the first ``heads`` heads (default: all k)."""
+        heads = self.heads if heads is None else heads
+        parts = []
+        if self.identity_first_head:
+            parts.append(x.unsqueeze(-2))
+        need = heads - len(parts)
+        if need > 0:
+            parts.append(x.unsqueeze(-2) + self.residuals(x, need))
+        return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+
+
+class ProposalLayer(_Heads):
     """x -> (x + FFN(x)_1, ..., x + FFN(x)_k): the combined scoring-and-proposal layer."""
 
     def __init__(self, embed_dim, ffn_dim, heads, identity_first_head, activation_fn="relu"):
@@ -52,23 +67,15 @@ class ProposalLayer(nn.Module):
             nn.init.zeros_(self.fc2.bias)
         self.activation_fn = utils.get_activation_fn(activation_fn)
 
-    def forward(self, x, heads=None):
-        """(..., d) -> (..., n, d): outputs of the first ``heads`` heads (default: all k)."""
-        heads = self.heads if heads is None else heads
-        parts = []
-        if self.identity_first_head:
-            parts.append(x.unsqueeze(-2))
-        need = heads - len(parts)
-        if need > 0:
-            hidden = self.activation_fn(self.fc1(x))
-            # fc2 is dense over all heads' hidden units; compute only the outputs we need.
-            rows = need * self.embed_dim
-            out = F.linear(hidden, self.fc2.weight[:rows], self.fc2.bias[:rows])
-            parts.append(x.unsqueeze(-2) + out.view(x.shape[:-1] + (need, self.embed_dim)))
-        return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+    def residuals(self, x, need):
+        hidden = self.activation_fn(self.fc1(x))
+        # fc2 is dense over all heads' hidden units; compute only the outputs we need.
+        rows = need * self.embed_dim
+        out = F.linear(hidden, self.fc2.weight[:rows], self.fc2.bias[:rows])
+        return out.view(x.shape[:-1] + (need, self.embed_dim))
 
 
-class LightProposalLayer(nn.Module):
+class LightProposalLayer(_Heads):
     """x -> (x + f_1(x), ..., x + f_k(x)), each f_i a small residual block of its own
     (``--proposal-layer light``): f_i(x) = W2_i relu(W1_i x), hidden size ``hidden_dim``.
 
@@ -90,19 +97,11 @@ class LightProposalLayer(nn.Module):
             self.fc2_bias = nn.Parameter(torch.zeros(self.learned, embed_dim))
         self.activation_fn = utils.get_activation_fn(activation_fn)
 
-    def forward(self, x, heads=None):
-        heads = self.heads if heads is None else heads
-        parts = []
-        if self.identity_first_head:
-            parts.append(x.unsqueeze(-2))
-        need = heads - len(parts)
-        if need > 0:
-            rows = need * self.hidden_dim
-            hidden = self.activation_fn(F.linear(x, self.fc1.weight[:rows], self.fc1.bias[:rows]))
-            hidden = hidden.view(x.shape[:-1] + (need, self.hidden_dim))
-            out = torch.einsum("...nh,nhd->...nd", hidden, self.fc2_weight[:need]) + self.fc2_bias[:need]
-            parts.append(x.unsqueeze(-2) + out)
-        return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+    def residuals(self, x, need):
+        rows = need * self.hidden_dim
+        hidden = self.activation_fn(F.linear(x, self.fc1.weight[:rows], self.fc1.bias[:rows]))
+        hidden = hidden.view(x.shape[:-1] + (need, self.hidden_dim))
+        return torch.einsum("...nh,nhd->...nd", hidden, self.fc2_weight[:need]) + self.fc2_bias[:need]
 
 
 class BlockwiseTransformerDecoder(TransformerDecoderBase):
