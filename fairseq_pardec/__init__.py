@@ -2,13 +2,16 @@
 
 from . import compat  # noqa: F401  (first: safe checkpoint loading on torch >= 2.6)
 from . import cli_checks
+from .errors import install_cli_boundary
 
-cli_checks.check_argv()
+install_cli_boundary()  # fairseq's CLIs print our errors (and a few of fairseq's) as one line
 
 from . import criterions  # noqa: F401,E402
 from . import generators  # noqa: F401,E402
 from . import models  # noqa: F401,E402
 from . import tasks  # noqa: F401,E402
+
+cli_checks.check_argv()  # our task's flags without --task translation_pardec
 
 compat.restore_log_level()  # after the imports above have imported fairseq
 

@@ -24,6 +24,8 @@ from argparse import Namespace
 
 import torch
 
+from fairseq_pardec.errors import PREFIX, UsageError
+
 logger = logging.getLogger("fairseq_pardec.benchmark")
 
 
@@ -45,7 +47,7 @@ def parse_spec(spec):
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
-            raise SystemExit("benchmark: error: bad generator option %r in %r (want key=value)" % (item, spec))
+            raise UsageError("bad generator option %r in %r (want key=value)" % (item, spec))
         try:
             options[key.replace("-", "_")] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -62,13 +64,14 @@ def parse_spec(spec):
 
 
 def generation_args(options, defaults):
-    args = dict(
-        beam=1, nbest=1, max_len_a=defaults.max_len_a, max_len_b=defaults.max_len_b, min_len=1,
-        lenpen=1.0, unkpen=0.0, temperature=1.0, unnormalized=False, sampling=False,
-        no_repeat_ngram_size=0, match_source_len=False, diverse_beam_groups=-1,
-        diverse_beam_strength=0.5, diversity_rate=-1.0, constraints=None, print_alignment=None,
-        sampling_topk=-1, sampling_topp=-1.0, prefix_allowed_tokens_fn=None, score_reference=False,
-    )
+    """fairseq's generation defaults (beam 1 unless a spec asks), the run's length limits."""
+    from dataclasses import asdict
+
+    from fairseq.dataclass.configs import GenerationConfig
+
+    args = asdict(GenerationConfig())
+    args.update(beam=1, max_len_a=defaults.max_len_a, max_len_b=defaults.max_len_b,
+                prefix_allowed_tokens_fn=None)
     args.update(options)
     return Namespace(**args)
 
@@ -78,9 +81,6 @@ def load(args):
     from fairseq import checkpoint_utils, tasks, utils
 
     import fairseq_pardec  # noqa: F401  (registers the task, allows safe checkpoint loading)
-    from fairseq_pardec.tasks import translation_pardec
-
-    translation_pardec._SummaryReporter.enabled = False  # the benchmark reports itself
     # Let fairseq's own parser build the task config, exactly as fairseq-generate does.
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
@@ -93,6 +93,7 @@ def load(args):
     parser = options.get_generation_parser()
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
     task = tasks.setup_task(cfg.task)
+    task.report_summary = False  # the benchmark reports itself
     use_cuda = torch.cuda.is_available() and not args.cpu
     model = load_model(task, args.path, args, use_cuda)
     task.load_dataset(args.gen_subset)
@@ -103,11 +104,11 @@ def load_model(task, path, args, use_cuda):
     from fairseq import checkpoint_utils
 
     if not os.path.isfile(path):
-        raise SystemExit("benchmark: error: checkpoint %r does not exist (--path or path= of a generator)" % path)
+        raise UsageError("checkpoint %r does not exist (--path or path= of a generator)" % path)
     try:
         models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
     except RuntimeError as e:  # size mismatch of embeddings/projection: another vocabulary
-        raise SystemExit("benchmark: error: cannot load %r with the dictionaries of %s (%s); every "
+        raise UsageError("cannot load %r with the dictionaries of %s (%s); every "
                          "path= checkpoint must use the data's dictionaries" % (path, args.data, str(e).splitlines()[0]))
     model = models[0]
     if args.fp16:
@@ -157,16 +158,8 @@ def build(task, model, spec, defaults, use_cuda=False):
     task_keys = set(TranslationPardecConfig.__dataclass_fields__) - {"data"}
     task_options = {k: v for k, v in options.items() if k in task_keys}
     gen_options = {k: v for k, v in options.items() if k not in task_keys}
-    saved = {k: getattr(task.cfg, k) for k in task_options}
-    saved["generator"] = task.cfg.generator
-    try:
-        task.cfg.generator = name
-        for key, value in task_options.items():
-            setattr(task.cfg, key, value)
-        return task.build_generator([model], generation_args(gen_options, defaults))
-    finally:
-        for key, value in saved.items():
-            setattr(task.cfg, key, value)
+    variant = task.with_options(generator=name, **task_options)
+    return variant.build_generator([model], generation_args(gen_options, defaults))
 
 
 def build_ct2(task, model, path, options, defaults, use_cuda):
@@ -279,7 +272,7 @@ def run(args):
     specs = [parse_spec(s) for s in args.generators]
     labels = [s[0] for s in specs]
     if len(set(labels)) != len(labels):
-        raise SystemExit("benchmark: error: a generator is listed twice: %s" % labels)
+        raise UsageError("a generator is listed twice: %s" % labels)
     n_sentences = len(dataset) if args.max_sentences is None else min(args.max_sentences, len(dataset))
     references = {
         i: task.target_dictionary.string(dataset.tgt[i], args.remove_bpe)
@@ -494,13 +487,20 @@ def get_parser():
 
 
 def cli_main(argv=None):
-    args = get_parser().parse_args(argv)
+    """The command line: errors of ours become one line (exit status 1), as in fairseq's CLIs."""
+    try:
+        return main(get_parser().parse_args(argv))
+    except UsageError as error:
+        raise SystemExit(PREFIX + str(error)) from None
+
+
+def main(args):
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes) or args.threads < 1:
-        raise SystemExit("benchmark: error: --repeats, --batch-sizes and --threads must be >= 1")
+        raise UsageError("--repeats, --batch-sizes and --threads must be >= 1")
     if not os.path.isdir(args.data):
-        raise SystemExit("benchmark: error: data directory %r does not exist" % args.data)
+        raise UsageError("data directory %r does not exist" % args.data)
     if not os.path.isfile(args.path):
-        raise SystemExit("benchmark: error: checkpoint %r does not exist (--path)" % args.path)
+        raise UsageError("checkpoint %r does not exist (--path)" % args.path)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # fairseq and hydra log every dataset load and deprecation: keep the report readable
     import warnings

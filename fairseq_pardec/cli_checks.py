@@ -5,24 +5,23 @@ Without ``--task translation_pardec`` our task's flags are unknown to fairseq, w
 "unrecognized arguments" without saying which task they belong to.
 """
 
-import os
 import sys
 
-from .errors import UsageError
-
-TASK_FLAGS = ("--generator", "--block-size", "--blockwise-topk", "--blockwise-distance",
-              "--min-block-size", "--drafter-path", "--gad-beta", "--gad-tau",
-              "--interleaved-candidates")
-CLIS = ("fairseq-generate", "fairseq-interactive", "fairseq-train", "fairseq-validate")
-MODULES = ("generate.py", "interactive.py", "train.py", "validate.py")  # python -m fairseq_cli.X
+from .errors import UsageError, running_a_cli
 
 
-def _is_fairseq_cli(program):
-    name = os.path.basename(program)
-    return name.startswith(CLIS) or (
-        os.path.basename(os.path.dirname(program)) == "fairseq_cli"
-        and name.startswith(MODULES)
-    )
+
+def task_flags():
+    """The flags ``--task translation_pardec`` adds to fairseq's translation task."""
+    from dataclasses import fields
+
+    from fairseq.tasks.translation import TranslationConfig
+
+    from .tasks.translation_pardec import TranslationPardecConfig
+
+    stock = {f.name for f in fields(TranslationConfig)}
+    return tuple("--" + f.name.replace("_", "-") for f in fields(TranslationPardecConfig)
+                 if f.name not in stock and not f.name.startswith("_"))
 
 
 def _task(argv):
@@ -36,9 +35,9 @@ def _task(argv):
 
 def check_argv(argv=None):
     argv = sys.argv if argv is None else argv
-    if not argv or not _is_fairseq_cli(argv[0]):
+    if not argv or not running_a_cli(argv[0]):
         return
-    used = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in TASK_FLAGS]
+    used = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in task_flags()]
     if used and _task(argv) != "translation_pardec":
         raise UsageError(
             "%s is an option of --task translation_pardec; add --task translation_pardec "

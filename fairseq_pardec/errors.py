@@ -1,15 +1,75 @@
-"""One-line user errors.
+"""The package's error class, and the one place that turns it into a one-line message.
 
-fairseq prints a traceback for any exception raised while it builds a generator. A
-``UsageError`` is a ``SystemExit`` carrying a message: the CLIs print the one line and exit with
-status 1, and library callers can still catch it.
+Library code (models, criterions, generators, drafters) raises :class:`UsageError` for bad input
+or options: an ordinary exception (a ``ValueError``) that callers can catch. Only the command
+lines turn it into ``fairseq_pardec: error: ...`` and exit status 1: our own CLIs catch it, and
+for fairseq's CLIs (whose ``main`` is not ours) :func:`install_cli_boundary` hooks the uncaught
+exception. Anything else keeps its traceback: a ``ValueError`` from a bug is not a user error.
 """
 
+import os
+import re
+import sys
 
-class UsageError(SystemExit):
-    def __init__(self, message: str):
-        super().__init__("fairseq_pardec: error: " + message)
-        self.message = message
 
-    def __str__(self):
-        return self.message
+class UsageError(ValueError):
+    """Bad input or options; the message names the problem and the flag that fixes it."""
+
+
+PREFIX = "fairseq_pardec: error: "
+
+_FAIRSEQ_CLIS = ("fairseq-generate", "fairseq-interactive", "fairseq-train", "fairseq-validate",
+                 "fairseq-preprocess", "pardec-benchmark")
+_FAIRSEQ_MODULES = ("generate.py", "interactive.py", "train.py", "validate.py")
+
+# What fairseq itself raises for a handful of bad inputs, as a one-line message of ours. fairseq
+# raises these from its own main, before or around our code, so they cannot be caught earlier.
+_FAIRSEQ_FAILURES = (
+    (OSError, r"Model file not found: (.*)",
+     lambda m: "--path %s: no such checkpoint file" % m.group(1)),
+    (RuntimeError, r"PytorchStreamReader failed|failed finding central directory|unpickling",
+     lambda m: "--path: a checkpoint is truncated or not a torch checkpoint (%s); check the "
+               "file, or train/copy it again" % m.group(0)),
+    (AssertionError, r"--sampling requires --nbest to be equal to --beam",
+     lambda m: "--sampling draws one sample per sentence: add --beam 1 (fairseq requires "
+               "--nbest = --beam with --sampling)"),
+)
+
+
+def one_line(error):
+    """The one-line message for ``error``, or None when it is not a known user error."""
+    if isinstance(error, UsageError):
+        return PREFIX + str(error)
+    for kind, pattern, message in _FAIRSEQ_FAILURES:
+        match = re.search(pattern, str(error)) if isinstance(error, kind) else None
+        if match:
+            return PREFIX + message(match)
+    return None
+
+
+def running_a_cli(program=None):
+    """Whether this process is one of fairseq's command lines (or ours)."""
+    program = sys.argv[0] if program is None and sys.argv else program or ""
+    name = os.path.basename(program)
+    return name.startswith(_FAIRSEQ_CLIS) or (
+        os.path.basename(os.path.dirname(program)) == "fairseq_cli" and name.startswith(_FAIRSEQ_MODULES))
+
+
+def install_cli_boundary():
+    """Print known user errors that reach the top of a fairseq CLI as one line (exit status 1).
+
+    Installed when the plugin is imported; it decides only when an exception is uncaught, and
+    only for fairseq's (and our) command lines, so a library caller's program is left alone.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_pardec", False):
+        return
+
+    def hook(kind, error, traceback):
+        line = one_line(error) if running_a_cli() else None
+        if line is None:
+            return previous(kind, error, traceback)
+        sys.stderr.write(line + "\n")
+
+    hook._pardec = True
+    sys.excepthook = hook

@@ -25,6 +25,7 @@ from functools import lru_cache
 from typing import List, Sequence, Tuple
 
 import torch
+from .errors import UsageError
 
 __all__ = [
     "check_directions",
@@ -44,9 +45,9 @@ __all__ = [
 
 def check_directions(h: int, c: int):
     if c < 1:
-        raise ValueError("--ib-words-per-direction must be >= 1 (got %d)" % c)
+        raise UsageError("--ib-words-per-direction must be >= 1 (got %d)" % c)
     if h < 1 or (h > 1 and h % 2):
-        raise ValueError(
+        raise UsageError(
             "--ib-directions must be 1 or an even number (IMDecoder pairs directions per "
             "segment; got %d)" % h
         )
@@ -97,19 +98,29 @@ def interleave_indices(n: int, h: int, c: int) -> Tuple[int, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=256)
+def _index_table(max_n: int, h: int, c: int, device: str) -> torch.Tensor:
+    """(max_n + 1, W) slot -> word index for every length up to max_n; -2 past a row's end.
+
+    The interleaved length grows with n, so row max_n is the widest. Cached per device, so a
+    training step gathers with one lookup on the device: no per-row host work.
+    """
+    tables = [interleave_indices(n, h, c) for n in range(max_n + 1)]
+    index = torch.full((max_n + 1, len(tables[-1])), -2, dtype=torch.long)
+    for n, table in enumerate(tables):
+        index[n, : len(table)] = torch.tensor(table, dtype=torch.long)
+    return index.to(device)
+
+
 def interleave(tokens: torch.Tensor, lengths: torch.Tensor, h: int, c: int, eos: int, pad: int):
     """Reorder a batch of right-padded targets (content only, no EOS) for h directions, c words.
 
     Returns (B, W) flat targets: content, EOS fill of the last step, then ``pad``.
-    One gather over a per-length index table: no per-token Python work.
+    One gather over a per-length index table: no per-token or per-row Python work.
     """
-    lens = lengths.tolist()
-    tables = [interleave_indices(n, h, c) for n in lens]
-    width = max((len(t) for t in tables), default=0)
-    index = torch.full((len(lens), width), -2, dtype=torch.long)
-    for row, table in enumerate(tables):
-        index[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-    index = index.to(tokens.device)
+    max_n = int(lengths.max()) if lengths.numel() else 0
+    table = _index_table(max_n, h, c, str(tokens.device))
+    index = table[lengths.to(table.device, torch.long)]
     gathered = tokens.gather(1, index.clamp(min=0)) if tokens.size(1) else index.clamp(min=0)
     out = torch.where(index >= 0, gathered, torch.full_like(gathered, eos))
     return out.masked_fill(index == -2, pad)

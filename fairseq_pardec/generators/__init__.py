@@ -17,18 +17,20 @@ from .draft_verify import DraftVerifyGenerator, build_draft_verify
 from .drafters import CachedNARDrafter, CopyDrafter, Drafter, HeadsDrafter, NARDrafter, NoDrafter
 from .fairseq_search import CountingSequenceGenerator, build_beam, build_greedy
 from .interleaved_beam import InterleavedBeamSearch, build_interleaved
+from .generation_options import refuse
 from .stats import DecodeStats
+from ..errors import UsageError
 
 
 def build_iad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     """Input-guided aggressive decoding: copy drafts, exact verification."""
-    _refuse_lm(extra_gen_cls_kwargs, "iad")
     # --block-size is the user's fixed cap; by default each row's cap follows its acceptance
     drafter = CopyDrafter(
         task.source_dictionary, task.target_dictionary, block_size=task.cfg.block_size,
         adaptive=task.cfg.block_size is None,
     )
-    return build_draft_verify(task, models, args, drafter, ExactAcceptance(), "iad")
+    return build_draft_verify(task, models, args, drafter, ExactAcceptance(), "iad",
+                              extra_gen_cls_kwargs=extra_gen_cls_kwargs)
 
 
 def build_lean_greedy(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
@@ -38,18 +40,17 @@ def build_lean_greedy(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     its own (the benchmark's row next to ``greedy`` and ``iad``), and is a faster greedy where
     no drafter helps.
     """
-    _refuse_lm(extra_gen_cls_kwargs, "lean_greedy")
-    return build_draft_verify(task, models, args, NoDrafter(), ExactAcceptance(), "lean_greedy")
+    return build_draft_verify(task, models, args, NoDrafter(), ExactAcceptance(), "lean_greedy",
+                              extra_gen_cls_kwargs=extra_gen_cls_kwargs)
 
 
 def build_blockwise(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     """Blockwise parallel decoding: proposal heads draft, p_1 verifies (merged invocation)."""
-    _refuse_lm(extra_gen_cls_kwargs, "blockwise")
     if len(models) != 1:
-        raise ValueError("--generator blockwise decodes with one model; give one checkpoint to --path")
+        raise UsageError("--generator blockwise decodes with one model; give one checkpoint to --path")
     decoder = models[0].decoder
     if not hasattr(decoder, "proposal_heads"):
-        raise ValueError(
+        raise UsageError(
             "--generator blockwise needs a model with proposal heads (--arch "
             "blockwise_transformer*); %s has none" % type(models[0]).__name__
         )
@@ -57,33 +58,33 @@ def build_blockwise(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     heads = decoder.proposal_heads
     block = cfg.block_size or heads
     if block > heads:
-        raise ValueError(
+        raise UsageError(
             "--block-size %d is larger than the model's --proposal-heads %d" % (block, heads)
         )
     if cfg.min_block_size > block:
-        raise ValueError("--min-block-size %d is larger than the block size %d"
+        raise UsageError("--min-block-size %d is larger than the block size %d"
                          % (cfg.min_block_size, block))
     if cfg.blockwise_distance is not None:
         if cfg.blockwise_topk != 1:
-            raise ValueError("give either --blockwise-topk or --blockwise-distance, not both")
+            raise UsageError("give either --blockwise-topk or --blockwise-distance, not both")
         rule = DistanceAcceptance(task.target_dictionary, cfg.blockwise_distance)
     else:
         rule = TopKAcceptance(cfg.blockwise_topk)
     if cfg.min_block_size > 1:
         rule = MinimumBlock(rule, cfg.min_block_size)
     drafter = HeadsDrafter(decoder, task.target_dictionary.pad(), block)
-    return build_draft_verify(task, models, args, drafter, rule, "blockwise")
+    return build_draft_verify(task, models, args, drafter, rule, "blockwise",
+                              extra_gen_cls_kwargs=extra_gen_cls_kwargs)
 
 
 def build_gad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     """Generalized aggressive decoding: GLAT block drafter, AR verifier (GAD / GAD++)."""
     from .drafter_loading import load_drafter
 
-    _refuse_lm(extra_gen_cls_kwargs, "gad")
     cfg = task.cfg
     rule = TopBetaTauAcceptance(cfg.gad_beta, cfg.gad_tau)
     if len(models) != 1:
-        raise ValueError("--generator gad verifies with one model; give one checkpoint to --path")
+        raise UsageError("--generator gad verifies with one model; give one checkpoint to --path")
     drafter = load_drafter(task, cfg.drafter_path, models[0])
     block = cfg.block_size or drafter.block_size
     dictionary = task.target_dictionary
@@ -94,35 +95,8 @@ def build_gad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
                                     adaptive=cfg.block_size is None)
     else:
         proposer = NARDrafter(drafter, block, dictionary.eos(), dictionary.pad())
-    return build_draft_verify(task, models, args, proposer, rule, "gad")
-
-
-# Task options and the generators that read them, with their defaults: any other generator
-# refuses a non-default value instead of silently ignoring it.
-TASK_OPTION_USERS = {
-    "block_size": ("--block-size", None, ("iad", "gad", "blockwise")),
-    "drafter_path": ("--drafter-path", None, ("gad",)),
-    "gad_beta": ("--gad-beta", 1, ("gad",)),
-    "gad_tau": ("--gad-tau", 0.0, ("gad",)),
-    "blockwise_topk": ("--blockwise-topk", 1, ("blockwise",)),
-    "blockwise_distance": ("--blockwise-distance", None, ("blockwise",)),
-    "min_block_size": ("--min-block-size", 1, ("blockwise",)),
-    "interleaved_candidates": ("--interleaved-candidates", None, ("interleaved",)),
-}
-
-
-def refuse_foreign_options(cfg, name):
-    """ValueError naming the first task option set for a generator that does not read it."""
-    for attr, (flag, default, users) in TASK_OPTION_USERS.items():
-        value = getattr(cfg, attr, default)
-        if name not in users and value is not None and value != default:
-            raise ValueError("%s is an option of --generator %s; --generator %s does not use it"
-                             % (flag, " / ".join(users), name))
-
-
-def _refuse_lm(extra_gen_cls_kwargs, name):
-    if extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None:
-        raise ValueError("--generator %s does not support --lm-path; use --generator beam" % name)
+    return build_draft_verify(task, models, args, proposer, rule, "gad",
+                              extra_gen_cls_kwargs=extra_gen_cls_kwargs)
 
 
 GENERATORS = {
@@ -137,7 +111,7 @@ GENERATORS = {
 
 __all__ = [
     "GENERATORS",
-    "refuse_foreign_options",
+    "refuse",
     "AcceptanceRule",
     "ExactAcceptance",
     "CopyDrafter",

@@ -13,6 +13,7 @@ override :meth:`accept` and declare ``lossless = False``.
 
 import torch
 from torch import Tensor
+from ..errors import UsageError
 
 
 class AcceptanceRule:
@@ -59,7 +60,7 @@ class TopKAcceptance(AcceptanceRule):
 
     def __init__(self, k: int):
         if k < 1:
-            raise ValueError("--blockwise-topk must be >= 1 (got %d)" % k)
+            raise UsageError("--blockwise-topk must be >= 1 (got %d)" % k)
         self.k = k
         self.lossless = k == 1
         self.reads_log_probs = k != 1
@@ -85,7 +86,7 @@ def ordinal_values(dictionary) -> Tensor:
         try:
             values[idx] = float(symbol)
         except ValueError:
-            raise ValueError(
+            raise UsageError(
                 "--blockwise-distance needs an ordinal vocabulary (every symbol a number); "
                 "symbol %r is not: use --blockwise-topk instead" % symbol
             )
@@ -97,7 +98,7 @@ class DistanceAcceptance(AcceptanceRule):
 
     def __init__(self, dictionary, eps: float):
         if eps < 0:
-            raise ValueError("--blockwise-distance must be >= 0 (got %g)" % eps)
+            raise UsageError("--blockwise-distance must be >= 0 (got %g)" % eps)
         self.values = ordinal_values(dictionary)
         self.eps = eps
         self.reads_log_probs = False
@@ -119,7 +120,7 @@ class MinimumBlock(AcceptanceRule):
 
     def __init__(self, rule: AcceptanceRule, min_block: int):
         if min_block < 1:
-            raise ValueError("--min-block-size must be >= 1 (got %d)" % min_block)
+            raise UsageError("--min-block-size must be >= 1 (got %d)" % min_block)
         self.rule, self.min_block = rule, min_block
         self.lossless = rule.lossless and min_block == 1
         self.reads_log_probs = rule.reads_log_probs
@@ -139,9 +140,9 @@ class TopBetaTauAcceptance(AcceptanceRule):
 
     def __init__(self, beta: int, tau: float):
         if beta < 1:
-            raise ValueError("--gad-beta must be >= 1 (got %d)" % beta)
+            raise UsageError("--gad-beta must be >= 1 (got %d)" % beta)
         if tau < 0:
-            raise ValueError("--gad-tau must be >= 0 (got %g)" % tau)
+            raise UsageError("--gad-tau must be >= 0 (got %g)" % tau)
         self.beta, self.tau = beta, tau
         self.lossless = beta == 1 and tau == 0
         self.reads_log_probs = not self.lossless

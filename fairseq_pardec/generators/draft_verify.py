@@ -26,10 +26,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..errors import UsageError
+
 from .beam_one import beam_one_tokens, running_scores
 from .block_layout import BlockLayout
 from .speculative import SamplingFilter, SpeculativeSampler
 from .drafters import pad_drafts
+from .generation_options import build_through_fairseq, sampling_of
 from .lean_decoder import block_decoder_for
 from .stats import DecodeStats, StatsGenerator
 
@@ -58,12 +61,12 @@ class DraftVerifyGenerator(StatsGenerator):
         sampler: Optional[SpeculativeSampler] = None,
     ):
         if len(models) != 1:
-            raise ValueError(
+            raise UsageError(
                 "draft-and-verify generators verify with one model; got an ensemble of %d "
                 "(give one checkpoint to --path)" % len(models)
             )
         if temperature <= 0:
-            raise ValueError("--temperature must be greater than 0")
+            raise UsageError("--temperature must be greater than 0")
         self.model = models[0]
         self.block_decoder = block_decoder_for(self.model.decoder, lean)
         self.tgt_dict = tgt_dict
@@ -85,7 +88,7 @@ class DraftVerifyGenerator(StatsGenerator):
         self.sampler = sampler
         if sampler is not None:
             if not acceptance.lossless:
-                raise ValueError(
+                raise UsageError(
                     "--sampling accepts drafts by speculative sampling, which is exact; drop the "
                     "relaxed acceptance options (--gad-beta/--gad-tau, --blockwise-topk, "
                     "--blockwise-distance, --min-block-size)"
@@ -140,7 +143,10 @@ class DraftVerifyGenerator(StatsGenerator):
         device = src_tokens.device
         max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
         if self.min_len > max_len:
-            raise ValueError("min_len cannot be larger than max_len, please adjust these!")
+            raise UsageError("the length limit (--max-len-a %g x source length %d + --max-len-b %d, "
+                             "at most the model's %d) is below --min-len %d; raise --max-len-b"
+                             % (self.max_len_a, src_len, self.max_len_b, self.max_len - 1,
+                                self.min_len))
 
         encoder_out = model.encoder.forward_torchscript(net_input)
         bos = self.eos if bos_token is None else bos_token
@@ -328,59 +334,26 @@ class DraftVerifyGenerator(StatsGenerator):
         }
 
 
-def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None):
-    """Common construction from fairseq's generation config; refuses what it cannot honour.
+def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None,
+                       extra_gen_cls_kwargs=None):
+    """Build through fairseq's own mapping of the generation config (generation_options.py).
 
-    With ``--sampling`` the random draws are seeded from ``seed``, by default torch's initial
-    seed, which ``fairseq-generate`` sets from ``--seed``.
+    The task has refused what this generator cannot honour. With ``--sampling`` the random
+    draws are seeded from ``seed``, by default torch's initial seed, which ``fairseq-generate``
+    sets from ``--seed``.
     """
-    unsupported = {
-        "diverse_beam_groups": "--diverse-beam-groups",
-        "match_source_len": "--match-source-len",
-        "constraints": "--constraints",
-        "print_alignment": "--print-alignment",
-        "lm_path": "--lm-path",
-    }
-    for attr, flag in unsupported.items():
-        value = getattr(args, attr, None)
-        if value not in (None, False, -1, 0, "", "none"):
-            raise ValueError("--generator %s does not support %s; use --generator beam" % (name, flag))
-    if getattr(args, "no_repeat_ngram_size", 0):
-        raise ValueError(
-            "--generator %s does not support --no-repeat-ngram-size; use --generator beam" % name
-        )
-    if getattr(args, "nbest", 1) != 1:
-        raise ValueError("--generator %s returns one hypothesis; drop --nbest" % name)
-    beam = getattr(args, "beam", 5)
-    sampler = None
-    truncation = (getattr(args, "sampling_topk", -1) or -1) > 0 or (getattr(args, "sampling_topp", -1.0) or -1.0) > 0
-    if truncation and not getattr(args, "sampling", False):
-        raise ValueError("--sampling-topk and --sampling-topp need --sampling")
-    if getattr(args, "sampling", False):
-        if beam not in (1, 5):
-            raise ValueError(
-                "--generator %s --sampling draws one sample per sentence (fairseq --beam 1); "
-                "drop --beam %d" % (name, beam)
-            )
-        sampler = SpeculativeSampler(
-            SamplingFilter(getattr(args, "sampling_topk", -1), getattr(args, "sampling_topp", -1.0)),
-            seed if seed is not None else torch.initial_seed(),
-        )
-    elif beam not in (1, 5):
-        logger.warning("--generator %s decodes greedily; ignoring --beam %d", name, beam)
-    generator = DraftVerifyGenerator(
-        models,
-        task.target_dictionary,
-        drafter,
-        acceptance,
-        max_len_a=getattr(args, "max_len_a", 0),
-        max_len_b=getattr(args, "max_len_b", 200),
-        min_len=getattr(args, "min_len", 1),
-        normalize_scores=not getattr(args, "unnormalized", False),
-        len_penalty=getattr(args, "lenpen", 1),
-        unk_penalty=getattr(args, "unkpen", 0),
-        temperature=getattr(args, "temperature", 1.0),
-        sampler=sampler,
-    )
+    generator = build_through_fairseq(task, models, args, _from_fairseq, extra_gen_cls_kwargs,
+                                      drafter=drafter, acceptance=acceptance, seed=seed)
     generator.name = name  # refusals at generate time name the generator
     return generator
+
+
+def _from_fairseq(models, tgt_dict, *, search_strategy, drafter, acceptance, seed=None,
+                  beam_size=1, match_source_len=False, no_repeat_ngram_size=0, **mapped):
+    """fairseq's generator arguments -> DraftVerifyGenerator (beam 1; the rest was refused)."""
+    sampler = None
+    sampling = sampling_of(search_strategy)
+    if sampling is not None:
+        sampler = SpeculativeSampler(SamplingFilter(*sampling),
+                                     seed if seed is not None else torch.initial_seed())
+    return DraftVerifyGenerator(models, tgt_dict, drafter, acceptance, sampler=sampler, **mapped)

@@ -9,6 +9,7 @@ import os
 import torch
 
 from fairseq import checkpoint_utils
+from ..errors import UsageError
 
 
 def _arch(state):
@@ -24,13 +25,13 @@ def _arch(state):
 
 def load_drafter(task, path, verifier):
     if not path:
-        raise ValueError("--generator gad needs the drafter checkpoint: add --drafter-path D.pt")
+        raise UsageError("--generator gad needs the drafter checkpoint: add --drafter-path D.pt")
     if not os.path.isfile(path):
-        raise ValueError("--drafter-path %s: no such file" % path)
+        raise UsageError("--drafter-path %s: no such file" % path)
     state = checkpoint_utils.load_checkpoint_to_cpu(path)
     arch = _arch(state) or "unknown"
     if not str(arch).startswith("glat_drafter"):
-        raise ValueError(
+        raise UsageError(
             "--drafter-path %s is a %s checkpoint, not a glat_drafter (train one with "
             "--arch glat_drafter_base --criterion glat_loss)" % (path, arch)
         )
@@ -41,7 +42,7 @@ def load_drafter(task, path, verifier):
     ):
         rows = weights[key].size(0) if key in weights else None
         if rows is not None and rows != len(dictionary):
-            raise ValueError(
+            raise UsageError(
                 "drafter and verifier dictionaries differ: the drafter's %s embeddings have %d "
                 "types, this data's %s dictionary has %d; train the drafter on data binarized "
                 "with the verifier's dictionary (fairseq-preprocess --srcdict/--tgtdict)"
@@ -66,7 +67,7 @@ def _check_same_encoder(path, drafter, verifier):
         own[k].shape == theirs[k].shape
         and torch.equal(own[k].to(theirs[k].device, theirs[k].dtype), theirs[k]) for k in own)
     if not same:
-        raise ValueError(
+        raise UsageError(
             "--drafter-path %s was trained on another verifier's encoder (--drafter-encoder "
             "verifier): give --path the checkpoint it was trained with (its --init-from-verifier)"
             % path)

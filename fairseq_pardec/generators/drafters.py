@@ -9,6 +9,7 @@ from typing import List
 
 import torch
 from torch import Tensor
+from ..errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +368,7 @@ class CachedNARDrafter(NARDrafter):
         # one (as iad's copy drafter); slots no row drafts are not computed at all
         self.adaptive = adaptive
         if not lean_supported(model.decoder):
-            raise ValueError(
+            raise UsageError(
                 "the block-causal drafter's decoder layers use options its cached step does not "
                 "reproduce (NormFormer, bias_kv, ...); train it without them")
         self.blocks = LeanBlockDecoder(model.decoder)

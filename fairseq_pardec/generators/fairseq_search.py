@@ -1,13 +1,8 @@
 """fairseq's own SequenceGenerator (beam search, and greedy = beam 1) with our statistics."""
 
-import logging
-
 from fairseq.sequence_generator import SequenceGenerator
 
 from .stats import DecodeStats, count_hypotheses, timed
-
-logger = logging.getLogger(__name__)
-
 
 class CountingSequenceGenerator(SequenceGenerator):
     """Unchanged fairseq search; counts decoder calls and times ``generate``."""
@@ -52,41 +47,22 @@ def build_beam(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
 
 def build_greedy(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     """Greedy decoding is fairseq's beam search with beam 1 (and one hypothesis)."""
-    beam = getattr(args, "beam", 1)
-    if beam not in (1, 5):  # 5 is fairseq's default, i.e. the user did not ask for a beam
-        logger.warning("--generator greedy decodes with beam 1; ignoring --beam %d", beam)
-    nbest = getattr(args, "nbest", 1)
-    if nbest != 1:
-        raise ValueError(
-            "--generator greedy returns one hypothesis; drop --nbest %d or use --generator beam" % nbest
-        )
-    with overridden(args, beam=1):
-        return build_beam(task, models, args, extra_gen_cls_kwargs, **kwargs)
+    use_beam_one(args)
+    return build_beam(task, models, args, extra_gen_cls_kwargs, **kwargs)
 
 
-class overridden:
-    """Temporarily set attributes of an argparse Namespace or an omegaconf config."""
+def use_beam_one(args):
+    """Record beam 1 in the generation config, for the search and for what reports it.
 
-    def __init__(self, args, **values):
-        self.args, self.values, self.saved = args, values, {}
-
-    def __enter__(self):
+    fairseq-generate's closing line ("Generate test with beam=N") reads the same config: a
+    greedy generator must not be reported as fairseq's default beam of 5.
+    """
+    if getattr(args, "beam", 1) == 1:
+        return
+    try:
+        args.beam = 1
+    except Exception:  # a struct omegaconf config refuses new keys only; beam is not new
         from omegaconf import open_dict
 
-        for key, value in self.values.items():
-            self.saved[key] = getattr(self.args, key, None)
-            try:
-                setattr(self.args, key, value)
-            except Exception:  # struct omegaconf config
-                with open_dict(self.args):
-                    setattr(self.args, key, value)
-
-    def __exit__(self, *exc):
-        from omegaconf import open_dict
-
-        for key, value in self.saved.items():
-            try:
-                setattr(self.args, key, value)
-            except Exception:
-                with open_dict(self.args):
-                    setattr(self.args, key, value)
+        with open_dict(args):
+            args.beam = 1

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import UsageError
+
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules import (
     LearnedPositionalEmbedding,
@@ -31,8 +33,8 @@ from fairseq.modules import (
 IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
 
 
-class UnsupportedDecoder(ValueError):
-    pass
+class UnsupportedDecoder(UsageError):
+    """A decoder whose forward the lean step would not reproduce exactly."""
 
 
 def check_supported_decoder(decoder):

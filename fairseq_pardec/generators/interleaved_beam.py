@@ -20,6 +20,8 @@ import math
 import torch
 
 from .. import ordering
+from ..errors import UsageError
+from .generation_options import build_through_fairseq, sampling_of
 from .stats import DecodeStats, StatsGenerator
 
 
@@ -27,10 +29,10 @@ class InterleavedBeamSearch(StatsGenerator):
     def __init__(self, models, tgt_dict, beam_size=4, max_len_a=0.0, max_len_b=200, min_len=1,
                  normalize_scores=True, len_penalty=1.0, unk_penalty=0.0, candidates=2):
         if len(models) != 1:
-            raise ValueError("--generator interleaved decodes with one model; give one checkpoint")
+            raise UsageError("--generator interleaved decodes with one model; give one checkpoint")
         model = models[0]
         if not hasattr(model, "words_per_step"):
-            raise ValueError(
+            raise UsageError(
                 "--generator interleaved needs an ibdecoder model (--arch ibdecoder*); "
                 "%s is not one: use --generator beam or greedy" % type(model).__name__
             )
@@ -191,32 +193,18 @@ class InterleavedBeamSearch(StatsGenerator):
 
 
 def build_interleaved(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
-    if extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None:
-        raise ValueError("--generator interleaved does not support --lm-path")
-    for attr, flag in (("sampling", "--sampling"), ("match_source_len", "--match-source-len"),
-                       ("no_repeat_ngram_size", "--no-repeat-ngram-size"),
-                       ("print_alignment", "--print-alignment"), ("constraints", "--constraints")):
-        if getattr(args, attr, None) not in (None, False, 0, "", "none"):
-            raise ValueError("--generator interleaved does not support %s" % flag)
-    # fairseq's own defaults for these are -1 (off); > 0 / > -1 would select another search
-    groups, rate = getattr(args, "diverse_beam_groups", -1), getattr(args, "diversity_rate", -1)
-    if groups is not None and groups > 0:
-        raise ValueError("--generator interleaved does not support --diverse-beam-groups")
-    if rate is not None and rate > -1:
-        raise ValueError("--generator interleaved does not support --diversity-rate")
-    beam = getattr(args, "beam", 5)
-    nbest = getattr(args, "nbest", 1)
-    if nbest > beam:
-        raise ValueError("--nbest %d is larger than --beam %d" % (nbest, beam))
-    decoder = getattr(models[0], "decoder", None)
+    """Build through fairseq's own mapping of the generation config (generation_options.py)."""
+    decoder = getattr(models[0], "decoder", None) if models else None
     candidates = task.cfg.interleaved_candidates
     if candidates is None:  # DOUBLETOPK for the double-token variant, fairseq's 2x otherwise
         candidates = 3 if getattr(decoder, "position_kind", None) == "learned" else 2
-    return InterleavedBeamSearch(
-        models, task.target_dictionary, beam_size=beam,
-        max_len_a=getattr(args, "max_len_a", 0), max_len_b=getattr(args, "max_len_b", 200),
-        min_len=getattr(args, "min_len", 1),
-        normalize_scores=not getattr(args, "unnormalized", False),
-        len_penalty=getattr(args, "lenpen", 1), unk_penalty=getattr(args, "unkpen", 0),
-        candidates=candidates,
-    )
+    return build_through_fairseq(task, models, args, _from_fairseq, extra_gen_cls_kwargs,
+                                 candidates=candidates)
+
+
+def _from_fairseq(models, tgt_dict, *, search_strategy, beam_size, candidates, temperature=1.0,
+                  match_source_len=False, no_repeat_ngram_size=0, **mapped):
+    """fairseq's generator arguments -> InterleavedBeamSearch (its options were refused)."""
+    sampling_of(search_strategy)  # plain beam search only
+    return InterleavedBeamSearch(models, tgt_dict, beam_size=beam_size, candidates=candidates,
+                                 **mapped)

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from ..errors import UsageError
 
 
 class SamplingFilter:
@@ -34,7 +35,7 @@ class SamplingFilter:
         self.topk = topk if topk is not None else -1
         self.topp = topp if topp is not None else -1.0
         if self.topp > 1:
-            raise ValueError("--sampling-topp must be in (0, 1] (got %g)" % self.topp)
+            raise UsageError("--sampling-topp must be in (0, 1] (got %g)" % self.topp)
 
     def probs(self, lprobs: Tensor) -> Tensor:
         """(..., V) log-probabilities -> (..., V) float32 probabilities of fairseq's sampling

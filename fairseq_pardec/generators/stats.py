@@ -5,6 +5,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
+from ..errors import UsageError
 
 
 @dataclass
@@ -99,7 +100,7 @@ class StatsGenerator:
     def generate(self, models, sample, **kwargs):
         for key, flag in self.unsupported_kwargs.items():
             if kwargs.get(key) is not None:
-                raise ValueError("--generator %s does not support %s" % (self.name, flag))
+                raise UsageError("--generator %s does not support %s" % (self.name, flag))
         device = sample["net_input"]["src_tokens"].device
         with torch.no_grad(), timed(self.stats, device):
             hypos = self._generate(sample, **{k: v for k, v in kwargs.items()

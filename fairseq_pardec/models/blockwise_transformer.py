@@ -28,7 +28,7 @@ from fairseq.models.transformer import (
 )
 
 from ..errors import UsageError
-from .loading import LOADING_CHECKPOINT, init_from_checkpoint
+from .loading import built_from_checkpoint, init_from_checkpoint
 from .sizes import tiny_sizes
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class BlockwiseTransformerModel(TransformerModel):
         model = super().build_model(args, task)
         path = getattr(args, "init_from_transformer", None)
         if path:
-            if LOADING_CHECKPOINT.active:
+            if built_from_checkpoint(args):
                 # The checkpoint being loaded holds every weight; the base checkpoint it was
                 # initialised from at training time need not exist here.
                 logger.info("not re-reading --init-from-transformer while loading a checkpoint")

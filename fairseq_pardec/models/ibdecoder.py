@@ -33,7 +33,7 @@ from fairseq.models.transformer import (
 
 from .. import ordering
 from ..errors import UsageError
-from .loading import LOADING_CHECKPOINT, init_from_checkpoint
+from .loading import built_from_checkpoint, init_from_checkpoint
 from .sizes import tiny_sizes
 
 POSITION_KINDS = ("signed", "vanilla", "learned")
@@ -170,7 +170,7 @@ class IBDecoderModel(TransformerModel):
         args.decoder_learned_pos = args.ib_positions == "learned"
         model = super().build_model(args, task)
         path = getattr(args, "init_from_transformer", None)
-        if path and not LOADING_CHECKPOINT.active:  # a trained model's checkpoint holds every weight
+        if path and not built_from_checkpoint(args):  # a trained model's checkpoint holds every weight
             # a transformer's sinusoid buffer has no place in signed positions; learned positions
             # and direction embeddings are new parameters
             init_from_checkpoint(model, path, "--init-from-transformer",

@@ -1,19 +1,33 @@
-"""Whether fairseq is rebuilding a model from a checkpoint (rather than building a new one).
+"""Initialising a new model from another checkpoint, and knowing when not to.
 
 Options such as ``--init-from-transformer`` / ``--init-from-verifier`` initialise a *new* model
 from another checkpoint at training time; when the trained model itself is loaded (generate,
-resume) every weight comes from its own checkpoint and the other file need not exist.
-``translation_pardec``'s ``build_model`` sets the flag around fairseq's model construction.
+resume) every weight comes from its own checkpoint and the other file need not exist. fairseq
+drops its ``from_checkpoint`` argument before it calls a model's ``build_model(args, task)``, so
+``translation_pardec``'s ``build_model`` hands it over in (a copy of) the model config:
+:func:`mark_from_checkpoint` there, :func:`built_from_checkpoint` in the models.
 """
 
-import threading
+import copy
+
+_FROM_CHECKPOINT = "pardec_from_checkpoint"
 
 
-class _LoadingCheckpoint(threading.local):
-    active = False
+def mark_from_checkpoint(cfg):
+    """A copy of a model config that says "rebuilding a trained model from its checkpoint"."""
+    from omegaconf import OmegaConf, open_dict
+
+    marked = copy.copy(cfg)
+    if OmegaConf.is_config(marked):
+        with open_dict(marked):
+            setattr(marked, _FROM_CHECKPOINT, True)
+    else:
+        setattr(marked, _FROM_CHECKPOINT, True)
+    return marked
 
 
-LOADING_CHECKPOINT = _LoadingCheckpoint()
+def built_from_checkpoint(args) -> bool:
+    return bool(getattr(args, _FROM_CHECKPOINT, False))
 
 
 def init_from_checkpoint(model, path, flag, may_differ=(), skip=()):

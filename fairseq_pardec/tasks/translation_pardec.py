@@ -7,6 +7,8 @@ this task and vice versa: the task adds no state to the model.
 
 import argparse
 import atexit
+import copy
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -18,9 +20,10 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..errors import UsageError
-from ..generators import GENERATORS, refuse_foreign_options
-from ..generators.fairseq_search import overridden
-from ..generators.incremental import UnsupportedDecoder
+from ..generators import GENERATORS
+from ..generators.fairseq_search import use_beam_one
+from ..generators.generation_options import GREEDY_ONLY, refuse
+from ..models.loading import mark_from_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,9 @@ class TranslationPardecConfig(TranslationConfig):
         default=1,
         metadata={"help": "blockwise: accept at least this many tokens per iteration (paper § 5.3)"},
     )
+    # Set by the parser when --beam is typed: fairseq's default beam is 5, so a typed --beam 5
+    # is otherwise indistinguishable from no --beam (greedy-only generators refuse a typed one).
+    explicit_beam: Optional[int] = field(default=None, metadata={"help": argparse.SUPPRESS})
 
 
 # Flags whose values argparse must validate itself (the dataclass only knows their type).
@@ -118,14 +124,20 @@ _ARG_VALIDATORS = {
 }
 
 
+class _RecordTypedBeam(argparse._StoreAction):
+    """``--beam``, also remembering that it was typed (``explicit_beam``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace.explicit_beam = values
+
+
 class _SummaryReporter:
     """Logs each CLI generator's statistics once, when the process ends.
 
     fairseq-generate offers no hook after its loop, and its own summary is logged just before
     the process exits, so ours follows it.
     """
-
-    enabled = True
 
     def __init__(self):
         self.generators = []
@@ -145,9 +157,14 @@ _reporter = None
 
 @register_task("translation_pardec", dataclass=TranslationPardecConfig)
 class TranslationPardecTask(TranslationTask):
-    """Translation with fairseq_pardec's generators (``--generator``)."""
+    """Translation with fairseq_pardec's generators (``--generator``).
+
+    ``report_summary``: log each generator's statistics when the process ends (the CLIs'
+    summary line); a caller that reports by itself (the benchmark) turns it off.
+    """
 
     cfg: TranslationPardecConfig
+    report_summary = True
 
     @classmethod
     def add_args(cls, parser):
@@ -156,6 +173,29 @@ class TranslationPardecTask(TranslationTask):
             for flag, validator in _ARG_VALIDATORS.items():
                 if flag in action.option_strings:
                     action.type = validator
+            if "--beam" in action.option_strings and type(action) is argparse._StoreAction:
+                action.__class__ = _RecordTypedBeam
+
+    def with_options(self, **options):
+        """A copy of this task whose config has ``options`` (``generator="gad"``, ...) set.
+
+        Dictionaries and loaded datasets are shared; this task is left as it is.
+        """
+        from omegaconf import OmegaConf, open_dict
+
+        unknown = sorted(set(options) - set(TranslationPardecConfig.__dataclass_fields__))
+        if unknown:
+            raise UsageError("unknown option(s) of --task translation_pardec: %s"
+                             % ", ".join(unknown))
+        variant = copy.copy(self)
+        if OmegaConf.is_config(self.cfg):
+            variant.cfg = self.cfg.copy()
+            with open_dict(variant.cfg):
+                for key, value in options.items():
+                    setattr(variant.cfg, key, value)
+        else:
+            variant.cfg = dataclasses.replace(self.cfg, **options)
+        return variant
 
     @classmethod
     def setup_task(cls, cfg, **kwargs):
@@ -170,16 +210,12 @@ class TranslationPardecTask(TranslationTask):
         return super().setup_task(cfg, **kwargs)
 
     def build_model(self, cfg, from_checkpoint=False):
-        from ..models.loading import LOADING_CHECKPOINT
-
-        LOADING_CHECKPOINT.active = from_checkpoint
-        try:
-            return super().build_model(cfg, from_checkpoint)
-        finally:
-            LOADING_CHECKPOINT.active = False
+        if from_checkpoint:  # our models then skip their --init-from-* files (models/loading.py)
+            cfg = mark_from_checkpoint(cfg)
+        return super().build_model(cfg, from_checkpoint)
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
-        if hasattr(criterion, "set_update_num"):  # glat_loss anneals its glancing ratio
+        if hasattr(criterion, "set_update_num"):  # glancing schedule, per-update seeding
             criterion.set_update_num(update_num)
         return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
 
@@ -197,32 +233,27 @@ class TranslationPardecTask(TranslationTask):
         extra_gen_cls_kwargs=None,
         prefix_allowed_tokens_fn=None,
     ):
-        name = str(self.cfg.generator)
-        beam_one = False
+        asked = name = str(self.cfg.generator)
         if models and hasattr(models[0], "words_per_step") and name in ("beam", "greedy"):
-            # ibdecoder models emit several words per step: their beam search is "interleaved"
-            beam_one = name == "greedy"
-            name = "interleaved"
+            name = "interleaved"  # ibdecoder models emit several words per step
         if getattr(args, "score_reference", False) or seq_gen_cls is not None:
             # Scoring and callers that bring their own generator class get fairseq's path.
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
-        try:
-            refuse_foreign_options(self.cfg, name)
-            with overridden(args, **({"beam": 1} if beam_one else {})):
-                generator = GENERATORS[name](
-                    self,
-                    models,
-                    args,
-                    extra_gen_cls_kwargs=extra_gen_cls_kwargs,
-                    prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-                )
-        except (ValueError, UnsupportedDecoder) as error:
-            if isinstance(error, UsageError):
-                raise
-            raise UsageError(str(error)) from None
-        if _SummaryReporter.enabled:
+        for each in dict.fromkeys((asked, name)):  # greedy on an ibdecoder: both rule sets
+            refuse(each, self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
+                   explicit_beam=self.cfg.explicit_beam)
+        if asked in GREEDY_ONLY:
+            use_beam_one(args)
+        generator = GENERATORS[name](
+            self,
+            models,
+            args,
+            extra_gen_cls_kwargs=extra_gen_cls_kwargs,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        )
+        if self.report_summary:
             global _reporter
             if _reporter is None:
                 _reporter = _SummaryReporter()

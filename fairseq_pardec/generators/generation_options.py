@@ -1,0 +1,128 @@
+"""What each generator refuses, and fairseq's one mapping of the generation config.
+
+fairseq maps its generation config (``--beam``, ``--max-len-a/b``, ``--sampling``, ...) to a
+generator's arguments in ``FairseqTask.build_generator``; our generators are built through that
+same call (as its ``seq_gen_cls``), so the mapping exists once, in fairseq. What a generator cannot
+honour, a generation option or another generator's task option, is refused here first
+(:func:`refuse`), in one line naming the flag: silently ignoring a flag would change what the
+user gets without saying so.
+"""
+
+from fairseq import search
+from fairseq.tasks.fairseq_task import FairseqTask
+
+from ..errors import UsageError
+
+# Generators that decode greedily (one hypothesis, beam 1), and the one beam search of ours.
+GREEDY_ONLY = ("greedy", "lean_greedy", "iad", "gad", "blockwise")
+DRAFT_VERIFY = ("lean_greedy", "iad", "gad", "blockwise")
+INTERLEAVED = ("interleaved",)
+
+
+def _set(value, off=(None, False, 0, "", "none")):
+    return value not in off
+
+
+# flag, whether the generation config sets it, the generators of ours that refuse it
+REFUSALS = (
+    ("--diverse-beam-groups", lambda a: (getattr(a, "diverse_beam_groups", -1) or -1) > 0,
+     DRAFT_VERIFY + INTERLEAVED),
+    ("--diversity-rate", lambda a: (getattr(a, "diversity_rate", -1) or -1) > -1,
+     DRAFT_VERIFY + INTERLEAVED),
+    ("--match-source-len", lambda a: _set(getattr(a, "match_source_len", False)),
+     DRAFT_VERIFY + INTERLEAVED),
+    ("--constraints", lambda a: _set(getattr(a, "constraints", None)), DRAFT_VERIFY + INTERLEAVED),
+    ("--no-repeat-ngram-size", lambda a: _set(getattr(a, "no_repeat_ngram_size", 0)),
+     DRAFT_VERIFY + INTERLEAVED),
+    ("--print-alignment", lambda a: _set(getattr(a, "print_alignment", None)),
+     DRAFT_VERIFY + INTERLEAVED),
+    ("--sampling", lambda a: _set(getattr(a, "sampling", False)), INTERLEAVED),
+    ("--temperature", lambda a: getattr(a, "temperature", 1.0) != 1.0, INTERLEAVED),
+)
+
+
+# Task options (--task translation_pardec) and the generators that read them, with their
+# defaults: any other generator refuses a non-default value.
+TASK_OPTION_USERS = {
+    "block_size": ("--block-size", None, ("iad", "gad", "blockwise")),
+    "drafter_path": ("--drafter-path", None, ("gad",)),
+    "gad_beta": ("--gad-beta", 1, ("gad",)),
+    "gad_tau": ("--gad-tau", 0.0, ("gad",)),
+    "blockwise_topk": ("--blockwise-topk", 1, ("blockwise",)),
+    "blockwise_distance": ("--blockwise-distance", None, ("blockwise",)),
+    "min_block_size": ("--min-block-size", 1, ("blockwise",)),
+    "interleaved_candidates": ("--interleaved-candidates", None, ("interleaved",)),
+}
+
+
+def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None,
+           explicit_beam=None):
+    """UsageError naming the first option that generator ``name`` cannot honour.
+
+    ``task_cfg`` holds the task's options, ``args`` fairseq's generation config. ``explicit_beam``
+    is the ``--beam`` the user typed (None if not typed): fairseq's default beam is 5, so only a
+    typed value tells a greedy-only generator that a beam was asked for.
+    """
+    for attr, (flag, default, users) in TASK_OPTION_USERS.items():
+        value = getattr(task_cfg, attr, default)
+        if name not in users and value is not None and value != default:
+            raise UsageError("%s is an option of --generator %s; --generator %s does not use it"
+                             % (flag, " / ".join(users), name))
+    for flag, is_set, refusers in REFUSALS:
+        if name in refusers and is_set(args):
+            raise UsageError("--generator %s does not support %s; use --generator beam" % (name, flag))
+    lm = (extra_gen_cls_kwargs or {}).get("lm_model")
+    if name in DRAFT_VERIFY + INTERLEAVED and lm is not None:
+        raise UsageError("--generator %s does not support --lm-path; use --generator beam" % name)
+    if name in DRAFT_VERIFY + INTERLEAVED and prefix_allowed_tokens_fn is not None:
+        raise UsageError("--generator %s does not support prefix_allowed_tokens_fn; use "
+                         "--generator beam" % name)
+    sampling = bool(getattr(args, "sampling", False))
+    truncation = ((getattr(args, "sampling_topk", -1) or -1) > 0
+                  or (getattr(args, "sampling_topp", -1.0) or -1.0) > 0)
+    if truncation and not sampling:
+        raise UsageError("--sampling-topk and --sampling-topp need --sampling")
+    if name in GREEDY_ONLY:
+        nbest = getattr(args, "nbest", 1)
+        if nbest != 1:
+            raise UsageError("--generator %s returns one hypothesis; drop --nbest %d or use "
+                             "--generator beam" % (name, nbest))
+        beam = explicit_beam if explicit_beam is not None else getattr(args, "beam", 5)
+        if beam != 1 and (explicit_beam is not None or beam != 5):
+            what = "draws one sample per sentence" if sampling else "decodes greedily (beam 1)"
+            raise UsageError("--generator %s %s; drop --beam %d or use --generator beam"
+                             % (name, what, beam))
+    elif name in INTERLEAVED:
+        nbest, beam = getattr(args, "nbest", 1), getattr(args, "beam", 5)
+        if nbest > beam:
+            raise UsageError("--nbest %d is larger than --beam %d" % (nbest, beam))
+    max_len_a, max_len_b = getattr(args, "max_len_a", 0), getattr(args, "max_len_b", 200)
+    min_len = getattr(args, "min_len", 1)
+    if not max_len_a and max_len_b < min_len:
+        raise UsageError("--max-len-b %d leaves no room for an output of --min-len %d (the length "
+                         "limit is --max-len-a x source length + --max-len-b); raise --max-len-b"
+                         % (max_len_b, min_len))
+
+
+def build_through_fairseq(task, models, args, factory, extra_gen_cls_kwargs=None, **own_kwargs):
+    """``FairseqTask.build_generator`` with ``factory`` as the generator class.
+
+    fairseq passes ``factory`` its mapping of the generation config (``beam_size``,
+    ``max_len_a``, ..., ``search_strategy``); ``own_kwargs`` (drafter, acceptance rule, ...) ride
+    along in ``extra_gen_cls_kwargs``. Options refused above never reach it.
+    """
+    extra = dict(extra_gen_cls_kwargs or {})
+    extra.pop("lm_model", None), extra.pop("lm_weight", None)  # refused above when set
+    extra.update(own_kwargs)
+    return FairseqTask.build_generator(task, models, args, seq_gen_cls=factory,
+                                       extra_gen_cls_kwargs=extra)
+
+
+def sampling_of(search_strategy):
+    """(top-k, top-p) of fairseq's sampling strategy, or None for its plain beam search."""
+    if isinstance(search_strategy, search.Sampling):
+        return search_strategy.sampling_topk, search_strategy.sampling_topp
+    if type(search_strategy) is not search.BeamSearch:  # refused earlier; a guard for callers
+        raise UsageError("search strategy %s is not supported here; use --generator beam"
+                         % type(search_strategy).__name__)
+    return None

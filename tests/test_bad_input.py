@@ -1,0 +1,125 @@
+"""Bad input, as a new user types it: one line naming the problem and the flag, no traceback,
+nothing half-written; and the error boundary: only our error class (and a few known fairseq
+failures) become one line, a bug keeps its traceback."""
+
+import re
+
+import pytest
+
+from fairseq_pardec.errors import UsageError, one_line, running_a_cli
+
+from test_cli import (  # noqa: F401  (fixtures)
+    N_TEST, PLUGIN, assert_clean_error, blockwise_checkpoint, cli_data, generate, hypotheses, run,
+    stock_checkpoint,
+)
+
+
+def test_missing_checkpoint_file(cli_data, tmp_path):
+    _, data = cli_data
+    proc = generate(data, tmp_path / "nope.pt", "--generator", "iad", check=False)
+    assert_clean_error(proc, "fairseq_pardec: error: --path", "nope.pt", "no such checkpoint")
+
+
+def test_truncated_checkpoint(cli_data, stock_checkpoint, tmp_path):
+    _, data = cli_data
+    whole = (stock_checkpoint / "checkpoint_last.pt").read_bytes()
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(whole[: len(whole) // 2])
+    proc = generate(data, cut, "--generator", "greedy", check=False)
+    assert_clean_error(proc, "fairseq_pardec: error: --path", "truncated")
+
+
+@pytest.mark.parametrize("generator", ["greedy", "iad", "beam"])
+def test_no_room_for_output(cli_data, stock_checkpoint, generator):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", generator,
+                    "--max-len-b", 0, check=False)
+    assert_clean_error(proc, "--max-len-b 0", "raise --max-len-b")
+
+
+def test_sampling_without_beam_one(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    "--sampling", check=False)
+    assert_clean_error(proc, "--sampling", "add --beam 1")
+
+
+@pytest.mark.parametrize("generator", ["greedy", "iad", "lean_greedy"])
+def test_typed_beam_refused_by_greedy_generators(cli_data, stock_checkpoint, generator):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", generator,
+                    "--beam", 5, check=False)
+    assert_clean_error(proc, "--generator %s decodes greedily" % generator, "drop --beam 5")
+
+
+def test_greedy_generator_reports_beam_one(cli_data, stock_checkpoint):
+    """fairseq's closing line names the beam: a greedy run must not claim fairseq's default 5."""
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    "--batch-size", 16)
+    closing = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines()
+               if re.search(r"Generate test with beam=", line)]
+    assert closing and all("beam=1:" in line for line in closing), closing
+
+
+def test_source_of_unknown_words_only(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = run("fairseq_cli.interactive", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
+               "--path", stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+               "--source-lang", "src", "--target-lang", "tgt", "--max-len-b", 20,
+               input_text="qqqzx vvvwk zzzyq\n\n")
+    assert "Traceback" not in proc.stderr
+    assert re.search(r"^H-0\t", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^H-1\t", proc.stdout, re.M), proc.stdout  # the empty line too
+
+
+def test_blockwise_block_larger_than_heads(cli_data, blockwise_checkpoint):
+    _, data = cli_data
+    proc = generate(data, blockwise_checkpoint, "--generator", "blockwise",
+                    "--block-size", 99, check=False)
+    assert_clean_error(proc, "--block-size 99 is larger than the model's --proposal-heads")
+
+
+# ---------------------------------------------------------------------- the boundary itself
+def test_usage_error_is_an_ordinary_exception():
+    assert issubclass(UsageError, ValueError) and not issubclass(UsageError, SystemExit)
+    assert one_line(UsageError("--x is bad")) == "fairseq_pardec: error: --x is bad"
+
+
+def test_a_bug_is_not_a_user_error():
+    assert one_line(ValueError("shape mismatch in a bug")) is None
+    assert one_line(AssertionError("some other assertion")) is None
+    assert one_line(RuntimeError("CUDA out of memory")) is None
+
+
+def test_boundary_knows_fairseq_clis():
+    assert running_a_cli("/venv/bin/fairseq-generate")
+    assert running_a_cli("/x/site-packages/fairseq_cli/train.py")
+    assert not running_a_cli("/home/me/my_script.py")
+
+
+def test_build_generator_does_not_hide_bugs(cli_data, stock_checkpoint, monkeypatch):
+    """A ValueError raised by a builder's bug reaches the caller as it is."""
+    from argparse import Namespace
+
+    from fairseq import checkpoint_utils
+    from fairseq.dataclass.configs import GenerationConfig
+    from dataclasses import asdict
+
+    import fairseq_pardec.generators as generators
+    from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig, TranslationPardecTask
+
+    _, data = cli_data
+    task = TranslationPardecTask.setup_task(TranslationPardecConfig(data=str(data), source_lang="src",
+                                                    target_lang="tgt", generator="iad"))
+    models, _ = checkpoint_utils.load_model_ensemble(
+        [str(stock_checkpoint / "checkpoint_last.pt")], task=task)
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug, not a user error")
+
+    monkeypatch.setitem(generators.GENERATORS, "iad", broken)
+    args = Namespace(**dict(asdict(GenerationConfig()), beam=1))
+    with pytest.raises(ValueError, match="a bug") as caught:
+        task.build_generator(models, args)
+    assert not isinstance(caught.value, UsageError)
