@@ -22,6 +22,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.models.transformer import TransformerDecoderBase
 
 from ..errors import UsageError
+from .seeding import update_generator
 
 
 @dataclass
@@ -52,6 +53,11 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                  report_accuracy=False, head_sampling="random"):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.head_sampling = str(head_sampling)
+        self.update_num = 0
+
+    def set_update_num(self, update_num):
+        """Called by translation_pardec's train_step: keys the head draws (seeding.py)."""
+        self.update_num = update_num
 
     @staticmethod
     def trainable_heads(decoder):
@@ -66,12 +72,17 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             )
         return heads
 
-    def one_head_per_position(self, outputs, target, heads):
+    def one_head_per_position(self, outputs, target, heads, generator=None):
         """Draw a trainable head per target position: ([outputs (B, T, d)], [targets (B, T)]),
-        head i at position t labelled with target t + i (pad past the end)."""
+        head i at position t labelled with target t + i (pad past the end). ``generator``: a CPU
+        generator to draw from (default: torch's global one)."""
         bsz, length = target.shape
         allowed = torch.tensor(heads, device=target.device)
-        choice = allowed[torch.randint(len(heads), (bsz, length), device=target.device)]
+        if generator is None:
+            draw = torch.randint(len(heads), (bsz, length), device=target.device)
+        else:
+            draw = torch.randint(len(heads), (bsz, length), generator=generator).to(target.device)
+        choice = allowed[draw]
         picked = outputs.gather(2, choice[..., None, None].expand(-1, -1, 1, outputs.size(-1))).squeeze(2)
         padded = torch.cat([target, target.new_full((bsz, max(heads)), self.padding_idx)], 1)
         positions = torch.arange(length, device=target.device).unsqueeze(0) + choice
@@ -87,12 +98,17 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         features, _ = model(**sample["net_input"], features_only=True)
         heads = self.trainable_heads(decoder) if model.training else list(range(decoder.proposal_heads))
         if self.head_sampling == "random" and model.training:
-            # fairseq seeds torch per update, so every worker draws the same head.
-            heads = [heads[int(torch.randint(len(heads), (1,)))]]
+            # One head per update, drawn from a generator keyed by the update (seeding.py), not
+            # from torch's global stream: every rank and every --update-freq batch of an update
+            # trains the same head, so N processes train as one process with --update-freq N.
+            generator = update_generator(self.update_num)
+            heads = [heads[int(torch.randint(len(heads), (1,), generator=generator))]]
         outputs = decoder.proposal(features, heads=max(heads) + 1)
         target = sample["target"]
         if self.head_sampling == "position" and model.training:
-            outputs, targets = self.one_head_per_position(outputs, target, heads)
+            # draws keyed by the update and the batch's sentences: the same on any rank (seeding.py)
+            generator = update_generator(self.update_num, sample.get("id"))
+            outputs, targets = self.one_head_per_position(outputs, target, heads, generator)
             heads = [None]  # one projection, every head represented
         else:
             targets = [shift_target(target, head, self.padding_idx) for head in heads]

@@ -18,6 +18,7 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.logging import metrics
 
 from ..errors import UsageError
+from .seeding import update_generator
 
 
 @dataclass
@@ -71,7 +72,11 @@ class GlatLoss(FairseqCriterion):
             raise UsageError("--criterion glat_loss needs --arch glat_drafter*")
         k = model.block_size
         target = sample["target"]
-        prefixes, p, labels = sample_blocks(target, self.padding_idx, self.bos, k)
+        # Draws keyed by the update and the batch's sentences, not torch's global stream: the same
+        # batch gets the same prefixes and glances on any rank or --update-freq step, so N
+        # processes train as one process with --update-freq N (see seeding.py).
+        generator = update_generator(self.update_num, sample.get("id"))
+        prefixes, p, labels = sample_blocks(target, self.padding_idx, self.bos, k, generator=generator)
         tokens, slots = model.draft_inputs(prefixes, p, k)
         net = sample["net_input"]
         encoder_out = model.encode(net["src_tokens"], net["src_lengths"])
@@ -84,12 +89,15 @@ class GlatLoss(FairseqCriterion):
             wrong = (pred.ne(labels) & real).sum(1)
             n_glance = (wrong.float() * ratio).long()
             # n_glance random real slots per row: rank random scores, padding slots last
-            scores = torch.rand(labels.shape, device=labels.device).masked_fill(~real, 2.0)
+            scores = torch.rand(labels.shape, generator=generator).to(labels.device)
+            scores = scores.masked_fill(~real, 2.0)
             rank = scores.argsort(1).argsort(1)
             glanced = rank < n_glance.unsqueeze(1)
             slot_tokens = tokens.gather(1, slots)
             tokens = tokens.scatter(1, slots, torch.where(glanced, labels, slot_tokens))
-        logits = model.slot_logits(tokens, slots, encoder_out)
+        # through model(...), i.e. forward, so that torch's DDP (--ddp-backend pytorch_ddp)
+        # all-reduces this pass's gradients (see GlatDrafterModel.forward)
+        logits = model(net["src_tokens"], net["src_lengths"], tokens, slots=slots, encoder_out=encoder_out)
         lprobs = torch.log_softmax(logits.float(), dim=-1)
         use = real & ~glanced
         loss, nll_loss = label_smoothed_nll_loss(
@@ -102,7 +110,11 @@ class GlatLoss(FairseqCriterion):
             "ntokens": sample_size,
             "nsentences": target.size(0),
             "sample_size": sample_size,
-            "glat_ratio": ratio,
+            # Summable (ratio x sentences, divided back in reduce_metrics): multi-process training
+            # sums logging outputs across ranks with all_reduce; fairseq's other path
+            # (all_gather_list, for outputs that cannot be summed) allocates a CUDA buffer and
+            # fails on CPU/gloo ("type torch.cuda.ByteTensor not available").
+            "glat_ratio": ratio * target.size(0),
         }
         return loss, sample_size, logging_output
 
@@ -116,9 +128,13 @@ class GlatLoss(FairseqCriterion):
         metrics.log_scalar("loss", loss / max(size, 1) / math.log(2), size, round=3)
         metrics.log_scalar("nll_loss", nll / max(size, 1) / math.log(2), size, round=3)
         metrics.log_derived("ppl", lambda m: 2 ** m["nll_loss"].avg)
-        if logging_outputs:
-            metrics.log_scalar("glat_ratio", logging_outputs[0].get("glat_ratio", 0), round=3)
+        sentences = sum(log.get("nsentences", 0) for log in logging_outputs)
+        if sentences:
+            ratio = sum(log.get("glat_ratio", 0) for log in logging_outputs) / sentences
+            metrics.log_scalar("glat_ratio", ratio, round=3)
 
     @staticmethod
     def logging_outputs_can_be_summed():
-        return False
+        # True: every logging output is a sum (see "glat_ratio"), so fairseq all-reduces them,
+        # which works with the gloo backend on CPU as well as with NCCL.
+        return True

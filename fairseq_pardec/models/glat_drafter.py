@@ -39,7 +39,7 @@ from fairseq.models.transformer import (
 
 from ..errors import UsageError
 from ..generators.incremental import BlockDecoder
-from .loading import LOADING_CHECKPOINT, init_from_checkpoint
+from .loading import built_from_checkpoint, init_from_checkpoint
 from .sizes import tiny_sizes
 
 logger = logging.getLogger(__name__)
@@ -73,14 +73,14 @@ class GlatDrafterModel(TransformerModel):
         if getattr(args, "drafter_block_size", 0) < 1:
             raise UsageError("--drafter-block-size must be >= 1 for --arch glat_drafter*")
         path = getattr(args, "init_from_verifier", None)
-        if not path and not LOADING_CHECKPOINT.active:
+        if not path and not built_from_checkpoint(args):
             for flag, used in (("--drafter-encoder verifier", getattr(args, "drafter_encoder", "own") == "verifier"),
                                ("--init-drafter-decoder", getattr(args, "init_drafter_decoder", False))):
                 if used:
                     raise UsageError("%s needs --init-from-verifier PATH (the verifier's "
                                      "checkpoint)" % flag)
         model = super().build_model(args, task)
-        if path and not LOADING_CHECKPOINT.active:
+        if path and not built_from_checkpoint(args):
             cls._init_from_verifier(model, path, getattr(args, "init_drafter_decoder", False))
         if getattr(args, "drafter_encoder", "own") == "verifier":
             for param in model.encoder.parameters():
@@ -130,9 +130,22 @@ class GlatDrafterModel(TransformerModel):
         finally:
             self.encoder.train(mode)
 
-    def forward(self, src_tokens, src_lengths, prev_output_tokens, **kwargs):
-        """Decoding of ``prev_output_tokens`` (prefix and mask slots): all logits."""
-        encoder_out = self.encode(src_tokens, src_lengths)
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, slots=None, encoder_out=None,
+                **kwargs):
+        """Decoding of ``prev_output_tokens`` (prefix and mask slots): all logits; with ``slots``
+        (B, k), the logits (B, k, V) at the slots only (:meth:`slot_logits`). ``encoder_out``: an
+        encoder output of ``src_tokens`` already computed (by :meth:`encode`).
+
+        ``glat_loss`` takes its gradient pass through here, not through :meth:`slot_logits`:
+        torch's DistributedDataParallel (``--ddp-backend pytorch_ddp``, fairseq's default) only
+        all-reduces the gradients of a backward pass whose forward went through the wrapped
+        model's ``forward``; methods reached through fairseq's wrapper bypass it, and each
+        process would keep its own gradient (fairseq on GPUs: "gradients are inconsistent
+        between workers")."""
+        if encoder_out is None:
+            encoder_out = self.encode(src_tokens, src_lengths)
+        if slots is not None:
+            return self.slot_logits(prev_output_tokens, slots, encoder_out)
         if self.block_causal:
             features = self.block_causal_features(prev_output_tokens, encoder_out)
             return self.decoder.output_layer(features), None
