@@ -9,7 +9,7 @@ import pytest
 from fairseq_pardec.errors import UsageError, one_line, running_a_cli
 
 from test_cli import (  # noqa: F401  (fixtures)
-    N_TEST, PLUGIN, assert_clean_error, blockwise_checkpoint, cli_data, generate, hypotheses, run,
+    PLUGIN, assert_clean_error, blockwise_checkpoint, cli_data, generate, run,
     stock_checkpoint,
 )
 
