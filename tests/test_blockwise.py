@@ -63,28 +63,65 @@ def fit_heads(model, task, make_sample, steps, lr, first_seed):
     model.eval()
 
 
+@pytest.mark.parametrize("block_size", [None, 4])  # adaptive per-row caps; the paper's fixed k
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
-def test_identity_p1_exact_equals_base_greedy(trained_heads, batch_size):
+def test_identity_p1_exact_equals_base_greedy(trained_heads, batch_size, block_size):
     _, model, task, make_sample = trained_heads
     sample = make_sample(batch_size, seed=batch_size)
     # the base model is the blockwise model's p_1 (identity head): fairseq greedy of it
     expected = fairseq_greedy(model, task.target_dictionary, sample, max_len_a=1.0, max_len_b=10)
-    generator = blockwise_generator(task, model)
+    generator = blockwise_generator(task, model, block_size=block_size)
+    assert generator.drafter.adaptive == (block_size is None)
     got = generator.generate([model], sample)
     assert by_id(sample, expected) == by_id(sample, got)
     assert generator.stats.tokens_per_iteration > 1.3  # the heads propose useful tokens
 
 
+@pytest.mark.parametrize("block_size", [None, 5])
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
-def test_random_heads_are_still_lossless(batch_size):
+def test_random_heads_are_still_lossless(batch_size, block_size):
     d = make_dictionary(40)
     task = make_task(d)
     model = blockwise_model(task, heads=5, seed=batch_size)
     torch.nn.init.normal_(model.decoder.proposal.fc2.weight, std=0.5)  # proposals: noise
     sample = random_batch(d, [1 + (i * 11) % 30 for i in range(batch_size)], seed=batch_size)
     expected = fairseq_greedy(model, d, sample, max_len_a=1.0, max_len_b=10)
-    got = blockwise_generator(task, model).generate([model], sample)
+    got = blockwise_generator(task, model, block_size=block_size).generate([model], sample)
     assert by_id(sample, expected) == by_id(sample, got)
+
+
+@pytest.mark.parametrize("identity", [True, False])
+def test_proposal_features_are_heads_two_to_n(identity):
+    """The drafter reads heads 2..n+1 alone (no p_1 when it is the identity): the same
+    logits as the full heads' slice."""
+    d = make_dictionary(30)
+    task = make_task(d)
+    model = blockwise_model(task, heads=5, identity=identity)
+    torch.nn.init.normal_(model.decoder.proposal.fc2.weight, std=0.5)
+    x = torch.randn(3, model.decoder.output_embed_dim)
+    with torch.no_grad():
+        full = model.decoder.head_logits(x)
+        later = model.decoder.base_logits(model.decoder.proposal_features(x, 3))
+    assert torch.allclose(later, full[:, 1:4], atol=1e-5)
+
+
+def test_adaptive_caps_follow_acceptance(trained_heads):
+    """Rows whose proposals are rejected draft 1 head's token; the cap grows back with
+    acceptance and never passes the model's heads."""
+    from fairseq_pardec.generators.drafters import HeadsDrafter
+
+    _, model, task, make_sample = trained_heads
+    drafter = HeadsDrafter(model.decoder, task.target_dictionary.pad(), 4, adaptive=True)
+    sample = make_sample(2, seed=7)
+    drafter.start(sample, None, task.target_dictionary.eos())
+    rows = torch.arange(2)
+    features = torch.randn(2, model.decoder.output_embed_dim)
+    drafter.observe(rows, features, torch.zeros(2, dtype=torch.long))  # first call: no draft
+    assert drafter.next_len.tolist() == [3, 3]
+    for _ in range(4):  # row 0 accepts nothing, row 1 everything
+        draft, lengths = drafter.propose(rows, None, None, torch.full((2,), 10))
+        drafter.observe(rows, features, torch.tensor([0, int(lengths[1])]))
+    assert drafter.next_len.tolist() == [1, 3]
 
 
 def test_merged_invocation_one_model_call_per_iteration(trained_heads):

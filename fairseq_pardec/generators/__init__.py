@@ -72,7 +72,10 @@ def build_blockwise(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
         rule = TopKAcceptance(cfg.blockwise_topk)
     if cfg.min_block_size > 1:
         rule = MinimumBlock(rule, cfg.min_block_size)
-    drafter = HeadsDrafter(decoder, task.target_dictionary.pad(), block)
+    # --block-size fixes the block (the paper); without it each row's draft follows its
+    # acceptance, as iad's and gad's do (not under --min-block-size, which needs long drafts)
+    drafter = HeadsDrafter(decoder, task.target_dictionary.pad(), block,
+                           adaptive=cfg.block_size is None and cfg.min_block_size == 1)
     return build_draft_verify(task, models, args, drafter, rule, "blockwise",
                               extra_gen_cls_kwargs=extra_gen_cls_kwargs)
 

@@ -10,6 +10,7 @@ from typing import List
 import torch
 from torch import Tensor
 from ..errors import UsageError
+from .output_projection import OutputProjection, base_projection
 
 logger = logging.getLogger(__name__)
 
@@ -258,17 +259,27 @@ class HeadsDrafter(Drafter):
 
     The first iteration has no proposals yet: it verifies nothing and takes p_1's token (and
     the heads' first proposals) from the same call.
+
+    ``adaptive``: each row drafts at most twice its recent mean of accepted draft tokens, plus
+    one (as iad's and GAD's drafters), so a row whose proposals keep being rejected verifies
+    short blocks; heads no row will use are not computed.
     """
 
-    def __init__(self, decoder, pad: int, block_size: int):
+    def __init__(self, decoder, pad: int, block_size: int, adaptive: bool = False):
         self.decoder, self.pad = decoder, pad
         self.width = block_size - 1  # heads 2..block_size
+        self.adaptive = adaptive
+        # the heads share the base's vocabulary projection (p_1's own output layer may differ)
+        proj = base_projection(decoder)
+        self.project = OutputProjection(proj) if proj is not None else None
 
     def start(self, sample, encoder_out, bos: int):
         src = sample["net_input"]["src_tokens"]
         self.next_draft = src.new_full((src.size(0), max(self.width, 0)), self.pad)
         self.next_len = src.new_zeros(src.size(0))
         self.next_probs = None
+        self.mean_accepted = torch.full((src.size(0),), float(self.width), device=src.device)
+        self.drafted = None
 
     def propose(self, rows, tokens, n_out, max_len):
         lengths = torch.minimum(self.next_len[rows], max_len)
@@ -281,22 +292,42 @@ class HeadsDrafter(Drafter):
                 self.draft_probs = None
             else:
                 self.draft_probs = self.next_probs[rows, :width]
+        self.drafted = lengths
         return draft, lengths
+
+    def _logits(self, features, mean_accepted):
+        """(B, d) verifier features -> (B, n, V) logits of the next n heads' proposals, and
+        each row's cap (None: not adaptive)."""
+        n, caps = self.width, None
+        if self.adaptive and self.sampler is None:
+            caps = (2 * mean_accepted).long() + 1
+            n = max(1, min(self.width, int(caps.max())))
+        hidden = self.decoder.proposal_features(features, n)  # (B, n, d)
+        if self.project is None:
+            return self.decoder.base_logits(hidden), caps
+        flat = self.project(hidden.reshape(-1, hidden.size(-1)))
+        return flat.view(hidden.shape[:-1] + (-1,)), caps
 
     def observe(self, rows, features, last):
         if self.width <= 0:
             return
-        logits = self.decoder.head_logits(features, heads=self.width + 1)[:, 1:, :]
+        if self.adaptive and self.drafted is not None:
+            accepted = torch.minimum(last, self.drafted).float()
+            mean = self.mean_accepted[rows]
+            self.mean_accepted[rows] = torch.where(self.drafted > 0, 0.5 * (mean + accepted), mean)
+        self.drafted = None
+        logits, caps = self._logits(features, self.mean_accepted[rows])
+        n = logits.size(1)
         logits[..., self.pad] = float("-inf")
         if self.sampler is None:
-            self.next_draft[rows] = logits.argmax(dim=-1)
+            self.next_draft[rows, :n] = logits.argmax(dim=-1)
         else:  # speculative sampling: draw the proposals, keep the distributions drawn from
             drawn, probs = self._draw(logits)
             if self.next_probs is None:
                 self.next_probs = probs.new_zeros((self.next_draft.size(0),) + probs.shape[1:])
             self.next_draft[rows] = drawn
             self.next_probs[rows] = probs
-        self.next_len[rows] = self.width
+        self.next_len[rows] = n if caps is None else caps.clamp(max=n)
 
 
 class NARDrafter(Drafter):

@@ -32,12 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from .block_layout import BlockLayout
 from .incremental import BlockDecoder, check_supported_decoder
+from .output_projection import OutputProjection, plain_output_projection
 
 
 def _same(t: Tensor) -> Tensor:
@@ -105,36 +105,18 @@ class LeanBlockDecoder(BlockDecoder):
         super().__init__(decoder)
         self.layers = list(decoder.layers)
         self.heads = self.layers[0].self_attn.num_heads if self.layers else 1
+        proj = plain_output_projection(decoder)
+        self._projection = OutputProjection(proj) if proj is not None else None
 
     def new_state(self) -> LeanCache:
         return LeanCache()
 
     def logits(self, features: Tensor) -> Tensor:
-        """The output layer; on the CPU, a block's rows multiply a transposed copy of the output
-        embedding: for a few rows the CPU BLAS runs ``x @ W.T`` (what ``F.linear`` does) markedly
-        slower than ``x @ W_t`` with ``W_t`` contiguous (256 x 8496, 2 threads: 4 rows 1.4 ms
-        against 0.6 ms). A single row keeps ``F.linear``: fairseq's own one-token step, bit for
-        bit. Either way a block's products round as other kernels do (methods.md, lossless
-        contract).
-        """
-        weight = self._output_weight_t(features)
-        if weight is None:
+        """The output layer; a block's rows on the CPU go through a transposed copy of the
+        output embedding (output_projection.py)."""
+        if self._projection is None:
             return super().logits(features)
-        return features @ weight
-
-    def _output_weight_t(self, features: Tensor) -> Optional[Tensor]:
-        proj = getattr(self.decoder, "output_projection", None)
-        if (features.device.type != "cpu" or features.dim() != 2 or features.size(0) < 2
-                or type(proj) is not torch.nn.Linear or proj.bias is not None
-                or getattr(self.decoder.output_layer, "__func__", None)
-                is not TransformerDecoderBase.output_layer):
-            return None
-        weight = proj.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype)
-        if getattr(self, "_weight_t_key", None) != key:
-            self._weight_t = weight.detach().t().contiguous()
-            self._weight_t_key = key
-        return self._weight_t
+        return self._projection(features)
 
     # ------------------------------------------------------------------ forward
     def _project_encoder(self, cache: LeanCache, encoder_out, bsz: int):

@@ -48,6 +48,13 @@ class _Heads(nn.Module):
             parts.append(x.unsqueeze(-2) + self.residuals(x, need))
         return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
 
+    def later(self, x, count):
+        """(..., d) -> (..., count, d): outputs of heads 2..count+1 only (the proposals a
+        drafter reads; p_1's output is not computed when it is the identity)."""
+        if self.identity_first_head:
+            return x.unsqueeze(-2) + self.residuals(x, count)
+        return self.forward(x, heads=count + 1)[..., 1:, :]
+
 
 class ProposalLayer(_Heads):
     """x -> (x + FFN(x)_1, ..., x + FFN(x)_k): the combined scoring-and-proposal layer."""
@@ -129,13 +136,28 @@ class BlockwiseTransformerDecoder(TransformerDecoderBase):
     def proposal_heads(self):
         return self.proposal.heads
 
+    @property
+    def output_layer_is_projection(self):
+        """True when p_1 is the base itself: ``output_layer`` is then the plain projection
+        (the lean verifier step may run it on a transposed copy of the weight)."""
+        return self.proposal.identity_first_head
+
     def output_layer(self, features):
         """p_1 logits: what fairseq's own search and scoring see."""
         return super().output_layer(self.proposal(features, heads=1).squeeze(-2))
 
     def head_logits(self, features, heads=None):
         """(..., d) features -> (..., n, V) logits of heads 1..n."""
-        return super().output_layer(self.proposal(features, heads=heads))
+        return self.base_logits(self.proposal(features, heads=heads))
+
+    def base_logits(self, hidden):
+        """The base's vocabulary projection, shared by every head."""
+        return super().output_layer(hidden)
+
+    def proposal_features(self, features, count):
+        """(..., d) features -> (..., count, d) outputs of heads 2..count+1, before the
+        vocabulary projection."""
+        return self.proposal.later(features, count)
 
 
 @register_model("blockwise_transformer")

@@ -1,0 +1,62 @@
+"""A decoder's output projection for a few rows at a time on the CPU.
+
+For a block of a few rows the CPU BLAS runs ``x @ W.T`` (what ``F.linear`` does) markedly slower
+than ``x @ W_t`` with ``W_t`` a contiguous transposed copy (256 x 8496, 2 threads: 4 rows 1.4 ms
+against 0.6 ms; docs/results.md "Where an iteration's time goes"). :class:`OutputProjection`
+keeps that copy, refreshed when the weight changes. A single row keeps ``F.linear``: fairseq's
+own one-token step, bit for bit. Either way a block's products round as other kernels do
+(methods.md, lossless contract).
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fairseq.models.transformer import TransformerDecoderBase
+
+
+def base_projection(decoder) -> Optional[torch.nn.Linear]:
+    """The decoder's vocabulary projection (``output_projection``) when it is a plain linear
+    map without bias and no adaptive softmax replaces it; None otherwise."""
+    proj = getattr(decoder, "output_projection", None)
+    if (type(proj) is not torch.nn.Linear or proj.bias is not None
+            or getattr(decoder, "adaptive_softmax", None) is not None):
+        return None
+    return proj
+
+
+def plain_output_projection(decoder) -> Optional[torch.nn.Linear]:
+    """:func:`base_projection` when the decoder's output layer is that projection and nothing
+    else (fairseq's ``TransformerDecoderBase.output_layer``, or a decoder that says its own
+    output layer equals it: ``output_layer_is_projection``); None otherwise."""
+    own = getattr(decoder.output_layer, "__func__", None) is TransformerDecoderBase.output_layer
+    if not (own or getattr(decoder, "output_layer_is_projection", False)):
+        return None
+    return base_projection(decoder)
+
+
+class OutputProjection:
+    """``logits(features)`` through a contiguous transposed copy of the projection weight.
+
+    ``projection``: the ``nn.Linear`` from :func:`plain_output_projection`. Rows that are not
+    a 2-D CPU block of >= 2 rows go through the linear layer itself.
+    """
+
+    def __init__(self, projection: torch.nn.Linear):
+        self.projection = projection
+        self._key = None
+        self._weight_t = None
+
+    def weight_t(self) -> Tensor:
+        weight = self.projection.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if self._key != key:
+            self._weight_t = weight.detach().t().contiguous()
+            self._key = key
+        return self._weight_t
+
+    def __call__(self, features: Tensor) -> Tensor:
+        if features.device.type != "cpu" or features.dim() != 2 or features.size(0) < 2:
+            return self.projection(features)
+        return features @ self.weight_t()
