@@ -33,7 +33,7 @@ def blockwise_model(task, heads=4, identity=True, seed=0, base=None, **overrides
 
 def blockwise_generator(task, model, **cfg):
     for key, value in dict(dict(block_size=None, blockwise_topk=1, blockwise_distance=None,
-                                min_block_size=1), **cfg).items():
+                                min_block_size=1, draft_vocab=None), **cfg).items():
         setattr(task.cfg, key, value)
     args = argparse.Namespace(beam=1, max_len_a=1.0, max_len_b=10, min_len=1, lenpen=1.0,
                               unkpen=0.0, temperature=1.0)
@@ -103,6 +103,16 @@ def test_proposal_features_are_heads_two_to_n(identity):
         full = model.decoder.head_logits(x)
         later = model.decoder.base_logits(model.decoder.proposal_features(x, 3))
     assert torch.allclose(later, full[:, 1:4], atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_shortlisted_heads_stay_lossless(trained_heads, batch_size):
+    """--draft-vocab: the heads score a shortlist; the output is still base greedy's."""
+    _, model, task, make_sample = trained_heads
+    sample = make_sample(batch_size, seed=20 + batch_size)
+    expected = fairseq_greedy(model, task.target_dictionary, sample, max_len_a=1.0, max_len_b=10)
+    generator = blockwise_generator(task, model, draft_vocab=10)
+    assert by_id(sample, expected) == by_id(sample, generator.generate([model], sample))
 
 
 def test_adaptive_caps_follow_acceptance(trained_heads):

@@ -139,3 +139,44 @@ def test_drafter_of_another_verifier_is_refused(trained_causal_drafter):
         next(other.encoder.parameters()).add_(1e-3)
     with pytest.raises(ValueError, match="another verifier's encoder"):
         _check_same_encoder("d.pt", model, other)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+def test_shortlisted_drafts_stay_lossless(trained_causal_drafter, batch_size):
+    """--draft-vocab: the drafter scores a shortlist only; outputs stay fairseq greedy's and
+    no draft token is outside the shortlist."""
+    from fairseq_pardec.generators.output_projection import frequent_types
+
+    verifier, model, task, make_sample, _ = trained_causal_drafter
+    d = task.target_dictionary
+    sample = make_sample(batch_size, seed=90 + batch_size)
+    expected = fairseq_greedy(verifier, d, sample, max_len_a=1.0, max_len_b=10)
+    drafter = CachedNARDrafter(model, 4, d.eos(), d.pad(), adaptive=True, dictionary=d,
+                               draft_vocab=12)
+    drafted = []
+    propose = drafter.propose
+
+    def recording(*args):
+        draft, lengths = propose(*args)
+        drafted.extend(t for row, n in zip(draft.tolist(), lengths.tolist()) for t in row[:n])
+        return draft, lengths
+
+    drafter.propose = recording
+    generator = DraftVerifyGenerator([verifier], d, drafter, ExactAcceptance(),
+                                     max_len_a=1.0, max_len_b=10)
+    assert by_id(sample, expected) == by_id(sample, generator.generate([verifier], sample))
+    assert drafted and set(drafted) <= set(frequent_types(d, 12).tolist())
+
+
+def test_frequent_types_follow_dictionary_counts():
+    from fairseq.data import Dictionary
+    from fairseq_pardec.generators.output_projection import frequent_types
+
+    d = Dictionary()
+    for word, count in (("rare", 1), ("common", 50), ("mid", 7), ("tie1", 3), ("tie2", 3)):
+        d.add_symbol(word, n=count)
+    d.finalize(padding_factor=1)
+    ids = frequent_types(d, 4).tolist()
+    assert ids[0] == d.eos()  # EOS always, first
+    assert [d[i] for i in ids[1:]] == ["common", "mid", "tie1"]
+    assert d.pad() not in frequent_types(d, 100).tolist()

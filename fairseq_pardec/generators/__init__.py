@@ -75,7 +75,8 @@ def build_blockwise(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     # --block-size fixes the block (the paper); without it each row's draft follows its
     # acceptance, as iad's and gad's do (not under --min-block-size, which needs long drafts)
     drafter = HeadsDrafter(decoder, task.target_dictionary.pad(), block,
-                           adaptive=cfg.block_size is None and cfg.min_block_size == 1)
+                           adaptive=cfg.block_size is None and cfg.min_block_size == 1,
+                           dictionary=task.target_dictionary, draft_vocab=cfg.draft_vocab)
     return build_draft_verify(task, models, args, drafter, rule, "blockwise",
                               extra_gen_cls_kwargs=extra_gen_cls_kwargs)
 
@@ -95,9 +96,11 @@ def build_gad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     # draft by its recent acceptance); the paper's bidirectional one re-reads the prefix
     if drafter.block_causal:
         proposer = CachedNARDrafter(drafter, block, dictionary.eos(), dictionary.pad(),
-                                    adaptive=cfg.block_size is None)
+                                    adaptive=cfg.block_size is None, dictionary=dictionary,
+                                    draft_vocab=cfg.draft_vocab)
     else:
-        proposer = NARDrafter(drafter, block, dictionary.eos(), dictionary.pad())
+        proposer = NARDrafter(drafter, block, dictionary.eos(), dictionary.pad(),
+                              dictionary=dictionary, draft_vocab=cfg.draft_vocab)
     return build_draft_verify(task, models, args, proposer, rule, "gad",
                               extra_gen_cls_kwargs=extra_gen_cls_kwargs)
 

@@ -10,7 +10,7 @@ from typing import List
 import torch
 from torch import Tensor
 from ..errors import UsageError
-from .output_projection import OutputProjection, base_projection
+from .output_projection import base_projection, draft_projection, plain_output_projection
 
 logger = logging.getLogger(__name__)
 
@@ -265,13 +265,13 @@ class HeadsDrafter(Drafter):
     short blocks; heads no row will use are not computed.
     """
 
-    def __init__(self, decoder, pad: int, block_size: int, adaptive: bool = False):
+    def __init__(self, decoder, pad: int, block_size: int, adaptive: bool = False,
+                 dictionary=None, draft_vocab=None):
         self.decoder, self.pad = decoder, pad
         self.width = block_size - 1  # heads 2..block_size
         self.adaptive = adaptive
         # the heads share the base's vocabulary projection (p_1's own output layer may differ)
-        proj = base_projection(decoder)
-        self.project = OutputProjection(proj) if proj is not None else None
+        self.project = draft_projection(base_projection(decoder), dictionary, draft_vocab)
 
     def start(self, sample, encoder_out, bos: int):
         src = sample["net_input"]["src_tokens"]
@@ -339,8 +339,19 @@ class NARDrafter(Drafter):
     :class:`CachedNARDrafter` for the block-causal one. A draft stops after its first EOS.
     """
 
-    def __init__(self, model, block_size: int, eos: int, pad: int):
+    def __init__(self, model, block_size: int, eos: int, pad: int, dictionary=None,
+                 draft_vocab=None):
         self.model, self.k, self.eos, self.pad = model, block_size, eos, pad
+        # --draft-vocab: the slots score a shortlist of frequent types only
+        self.project = draft_projection(plain_output_projection(model.decoder), dictionary,
+                                        draft_vocab)
+
+    def _slot_logits(self, features):
+        """(B, k, d) slot features -> (B, k, V) logits."""
+        if self.project is None:
+            return self.model.decoder.output_layer(features)
+        flat = self.project(features.reshape(-1, features.size(-1)))
+        return flat.view(features.shape[:-1] + (-1,))
 
     def _encoder_out(self, sample, verifier_encoder_out):
         if self.model.reads_verifier_encoder:
@@ -358,7 +369,7 @@ class NARDrafter(Drafter):
             self.active_encoder_out = self.model.encoder.reorder_encoder_out(self.encoder_out, rows)
             self.rows = rows
         inputs, slots = self.model.draft_inputs(tokens, n_out, self.k)
-        logits = self.model.slot_logits(inputs, slots, self.active_encoder_out)
+        logits = self._slot_logits(self.model.slot_features(inputs, slots, self.active_encoder_out))
         return self._finish(logits, max_len)
 
     def _finish(self, logits, max_len):
@@ -391,8 +402,9 @@ class CachedNARDrafter(NARDrafter):
     (tests/test_gad_cached.py).
     """
 
-    def __init__(self, model, block_size: int, eos: int, pad: int, adaptive: bool = False):
-        super().__init__(model, block_size, eos, pad)
+    def __init__(self, model, block_size: int, eos: int, pad: int, adaptive: bool = False,
+                 dictionary=None, draft_vocab=None):
+        super().__init__(model, block_size, eos, pad, dictionary, draft_vocab)
         from .lean_decoder import LeanBlockDecoder, lean_supported
 
         # adaptive: a row drafts at most twice its recent mean of accepted draft tokens, plus
@@ -454,7 +466,7 @@ class CachedNARDrafter(NARDrafter):
         mask = self.model.block_causal_mask(k, k + width, self.blocks.decoder.embed_tokens.weight)
         features = self.blocks.forward_packed(block, self.n_cached, layout, self.encoder_out,
                                               self.cache, steps=steps, block_mask=mask)
-        logits = self.blocks.logits(features[layout.pos[:, :k].reshape(-1)]).view(b, k, -1)
+        logits = self._slot_logits(features[layout.pos[:, :k].reshape(-1)].view(b, k, -1))
         self.last_logits = logits  # (tests compare it with the full forward)
         self.blocks.drop_columns(self.cache, first, k)
         self.blocks.compact(self.cache)  # holes left by ragged new tokens

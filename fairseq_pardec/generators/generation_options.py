@@ -51,6 +51,7 @@ TASK_OPTION_USERS = {
     "blockwise_topk": ("--blockwise-topk", 1, ("blockwise",)),
     "blockwise_distance": ("--blockwise-distance", None, ("blockwise",)),
     "min_block_size": ("--min-block-size", 1, ("blockwise",)),
+    "draft_vocab": ("--draft-vocab", None, ("gad", "blockwise")),
     "interleaved_candidates": ("--interleaved-candidates", None, ("interleaved",)),
 }
 

@@ -158,13 +158,16 @@ class GlatDrafterModel(TransformerModel):
     def slot_logits(self, tokens, slots, encoder_out):
         """Logits (B, k, V) at the mask slots only: the vocabulary projection of the prefix
         positions, which nobody reads, is skipped (about half of it with a long prefix)."""
+        return self.decoder.output_layer(self.slot_features(tokens, slots, encoder_out))
+
+    def slot_features(self, tokens, slots, encoder_out):
+        """Decoder features (B, k, d) at the mask slots, before the vocabulary projection."""
         if self.block_causal:
             features = self.block_causal_features(tokens, encoder_out)
         else:
             features = self.decoder(tokens, encoder_out=encoder_out, full_context_alignment=True,
                                     features_only=True)[0]
-        features = features.gather(1, slots.unsqueeze(-1).expand(-1, -1, features.size(-1)))
-        return self.decoder.output_layer(features)
+        return features.gather(1, slots.unsqueeze(-1).expand(-1, -1, features.size(-1)))
 
     # ------------------------------------------------------------------ block-causal layout
     def block_causal_steps(self, tokens):

@@ -107,6 +107,13 @@ class TranslationPardecConfig(TranslationConfig):
         default=1,
         metadata={"help": "blockwise: accept at least this many tokens per iteration (paper § 5.3)"},
     )
+    draft_vocab: Optional[int] = field(
+        default=None,
+        metadata={"help": "gad, blockwise: the drafter scores only EOS and the N-1 most frequent "
+                  "types of the target dictionary (its counts), a cheaper vocabulary projection; "
+                  "the verifier still scores every type, so lossless stays lossless (default: "
+                  "the whole vocabulary)"},
+    )
     # Set by the parser when --beam is typed: fairseq's default beam is 5, so a typed --beam 5
     # is otherwise indistinguishable from no --beam (greedy-only generators refuse a typed one).
     explicit_beam: Optional[int] = field(default=None, metadata={"help": argparse.SUPPRESS})
@@ -121,6 +128,7 @@ _ARG_VALIDATORS = {
     "--gad-beta": positive_int,
     "--gad-tau": non_negative_float,
     "--interleaved-candidates": positive_int,
+    "--draft-vocab": positive_int,
 }
 
 
