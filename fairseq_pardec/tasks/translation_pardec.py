@@ -69,8 +69,8 @@ class TranslationPardecConfig(TranslationConfig):
             "help": "draft-and-verify generators: iad: a fixed cap on the draft tokens verified per "
             "iteration (default: each row's cap follows its acceptance, under a CPU ceiling of 16 "
             "that shrinks to 6 as the batch grows, "
-            "unbounded on a GPU); blockwise: block size k counting p_1, as in the paper "
-            "(default: the model's --proposal-heads)"
+            "unbounded on a GPU); blockwise: a fixed block size k counting p_1, as in the paper "
+            "(default: each row's cap follows its acceptance, under the model's --proposal-heads)"
         },
     )
     blockwise_topk: int = field(
