@@ -54,9 +54,12 @@ class OutputProjection:
         weight = self.projection.weight
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
         if self._key != key:
-            self._weight_t = weight.detach().t().contiguous()
+            self._weight_t = self._transposed(weight.detach())
             self._key = key
         return self._weight_t
+
+    def _transposed(self, weight: Tensor) -> Tensor:
+        return weight.t().contiguous()
 
     def __call__(self, features: Tensor) -> Tensor:
         if features.device.type != "cpu" or features.dim() != 2 or features.size(0) < 2:
@@ -74,7 +77,7 @@ def frequent_types(dictionary, count: int) -> Tensor:
     return torch.tensor([dictionary.eos()] + order[: max(0, count - 1)], dtype=torch.long)
 
 
-class ShortlistProjection:
+class ShortlistProjection(OutputProjection):
     """Drafters' logits over a shortlist of the vocabulary (``--draft-vocab N``), -inf elsewhere.
 
     A draft is only a proposal: the verifier still scores the whole vocabulary, so what a
@@ -84,20 +87,13 @@ class ShortlistProjection:
     """
 
     def __init__(self, projection: torch.nn.Linear, ids: Tensor, vocab_size: int):
-        self.projection = projection
+        super().__init__(projection)
         self.ids = ids.to(projection.weight.device)
         self.vocab_size = vocab_size
-        self._key = None
-        self._weight_t = None
 
-    def weight_t(self) -> Tensor:
-        weight = self.projection.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        if self._key != key:
-            self.ids = self.ids.to(weight.device)
-            self._weight_t = weight.detach()[self.ids].t().contiguous()
-            self._key = key
-        return self._weight_t
+    def _transposed(self, weight: Tensor) -> Tensor:
+        self.ids = self.ids.to(weight.device)
+        return weight[self.ids].t().contiguous()
 
     def __call__(self, features: Tensor) -> Tensor:
         """(R, d) -> (R, V) logits, -inf outside the shortlist."""
