@@ -19,7 +19,8 @@
 # Environment: SRC=de TGT=en; PRESET=cpu (MAX_MINUTES per trained model, default 60; THREADS,
 #   default 2: two models train side by side with METHOD=both, one thread each) or gpu
 #   (drafters up to 20k updates); K (drafter slots / heads, default 8); DRAFTER_LAYERS (default:
-#   the verifier's decoder layers); DISTILL_SENTENCES=N self-distils (and trains on) only the
+#   1 with PRESET=cpu, else the verifier's decoder layers); DRAFT_VOCAB (shortlist of the
+#   benchmark's vocabN rows, default 2000); DISTILL_SENTENCES=N self-distils (and trains on) only the
 #   first N training sentences (the verifier decodes ~20-40 sentences/s on 2 CPU cores);
 #   BENCH=0 trains only; REPEATS, BENCH_SENTENCES.
 set -euo pipefail
@@ -45,6 +46,9 @@ print(getattr(model, "decoder_layers", None) or (model or {}).get("decoder_layer
       or getattr(state.get("args"), "decoder_layers", 6))
 PY
 )
+# one drafter layer on the CPU: at batch 1 it drafts as many accepted tokens as three for a
+# smaller share of the time (docs/results.md, session 6: 0.93x against 0.72x greedy)
+if [ "$PRESET" = cpu ]; then layers=1; fi
 DRAFTER_LAYERS=${DRAFTER_LAYERS:-$layers}
 
 BIN=$DIR/bin BPE=$DIR/bpe
@@ -96,12 +100,17 @@ esac
 
 log "benchmark: greedy, beam 5, lean_greedy and the new generators (batch 1 and 32)"
 specs=(greedy beam:beam=5 lean_greedy)
+# adaptive draft caps (no block_size), with and without a shortlist of DRAFT_VOCAB frequent types
+V=${DRAFT_VOCAB:-2000}
 if [ "$METHOD" != blockwise ]; then
-  specs+=("gad:label=gad-cached-k$K,drafter_path='$OUT/gad/checkpoint_last.pt'"
-          "gad:label=gad++top3-tau1,drafter_path='$OUT/gad/checkpoint_last.pt',gad_beta=3,gad_tau=1.0")
+  specs+=("gad:label=gad-cached-adaptive,drafter_path='$OUT/gad/checkpoint_last.pt'"
+          "gad:label=gad-cached-adaptive-vocab$V,drafter_path='$OUT/gad/checkpoint_last.pt',draft_vocab=$V"
+          "gad:label=gad++top3-tau1-vocab$V,drafter_path='$OUT/gad/checkpoint_last.pt',gad_beta=3,gad_tau=1.0,draft_vocab=$V")
 fi
 if [ "$METHOD" != gad ]; then
-  specs+=("blockwise:label=blockwise-light-k$K,path='$OUT/heads/checkpoint_last.pt'")
+  specs+=("blockwise:label=blockwise-light-k$K-fixed,path='$OUT/heads/checkpoint_last.pt',block_size=$K"
+          "blockwise:label=blockwise-light-adaptive,path='$OUT/heads/checkpoint_last.pt'"
+          "blockwise:label=blockwise-light-adaptive-vocab$V,path='$OUT/heads/checkpoint_last.pt',draft_vocab=$V")
 fi
 OMP_NUM_THREADS=$THREADS python -m fairseq_pardec.benchmark "$DIR/bin" --path "$VERIFIER" -s "$SRC" -t "$TGT" \
   --threads "$THREADS" --repeats "${REPEATS:-3}" ${BENCH_SENTENCES:+--max-sentences $BENCH_SENTENCES} \
