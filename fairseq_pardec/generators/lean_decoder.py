@@ -105,17 +105,20 @@ class LeanBlockDecoder(BlockDecoder):
         super().__init__(decoder)
         self.layers = list(decoder.layers)
         self.heads = self.layers[0].self_attn.num_heads if self.layers else 1
-        proj = plain_output_projection(decoder)
-        self._projection = OutputProjection(proj) if proj is not None else None
+        self._projection = None
 
     def new_state(self) -> LeanCache:
         return LeanCache()
 
     def logits(self, features: Tensor) -> Tensor:
         """The output layer; a block's rows on the CPU go through a transposed copy of the
-        output embedding (output_projection.py)."""
-        if self._projection is None:
+        output embedding (output_projection.py). Checked per call: an output layer replaced
+        after this step was built is honoured."""
+        proj = plain_output_projection(self.decoder)
+        if proj is None:
             return super().logits(features)
+        if self._projection is None or self._projection.projection is not proj:
+            self._projection = OutputProjection(proj)
         return self._projection(features)
 
     # ------------------------------------------------------------------ forward
