@@ -15,7 +15,7 @@ from fairseq_pardec.generators.acceptance import (
 )
 from fairseq_pardec.models.blockwise_transformer import BlockwiseTransformerModel
 
-from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_args
+from helpers import by_id, collate, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_args
 
 
 def blockwise_model(task, heads=4, identity=True, seed=0, base=None, **overrides):
@@ -296,3 +296,77 @@ def test_light_heads_shapes_and_identity_start():
     torch.nn.init.normal_(layer.fc2_weight)
     assert torch.equal(layer(x, heads=2), layer(x)[..., :2, :])  # a prefix of the heads
     assert layer.fc1.weight.numel() + layer.fc2_weight.numel() == 2 * 3 * 8 * 3
+
+
+@pytest.fixture(scope="module")
+def trained_recurrent_heads(copy_model):
+    """Recurrent heads (one step shared by all heads, each reading the token before it) on a
+    frozen copy of the near-copy model."""
+    base, d, make_sample = copy_model
+    task = make_task(d)
+    model = blockwise_model(task, heads=4, base=base, encoder_layers=1, decoder_layers=2,
+                            proposal_layer="recurrent", proposal_hidden_dim=32)
+    for name, param in model.named_parameters():
+        param.requires_grad = name.startswith("decoder.proposal.")
+    fit_heads(model, task, make_sample, steps=200, lr=3e-3, first_seed=5000)
+    return base, model, task, make_sample
+
+
+@pytest.mark.parametrize("batch_size, block_size, draft_vocab",
+                         [(1, None, None), (8, 4, None), (8, None, 10), (64, None, None)])
+def test_recurrent_heads_frozen_base_equal_base_greedy(trained_recurrent_heads, batch_size,
+                                                      block_size, draft_vocab):
+    base, model, task, make_sample = trained_recurrent_heads
+    sample = make_sample(batch_size, seed=60 + batch_size)
+    expected = fairseq_greedy(base, task.target_dictionary, sample, max_len_a=1.0, max_len_b=10)
+    generator = blockwise_generator(task, model, block_size=block_size, draft_vocab=draft_vocab)
+    assert by_id(sample, expected) == by_id(sample, generator.generate([model], sample))
+    if batch_size == 64:  # frozen features limit the heads; random heads accept ~nothing (1.0)
+        assert generator.stats.tokens_per_iteration > 1.1
+
+
+def test_recurrent_heads_read_the_tokens_before_them():
+    """Head j + 1 is the step applied to head j's state and token; W2 = 0 starts every head as
+    p_1; the decoder embeds the tokens with its own embedding."""
+    from fairseq_pardec.models.blockwise_transformer import RecurrentProposalLayer
+
+    layer = RecurrentProposalLayer(8, 6, 5, heads=4)
+    x, emb = torch.randn(2, 3, 8), torch.randn(2, 3, 3, 6)
+    assert torch.equal(layer.unroll(x, emb), x.unsqueeze(-2).expand(2, 3, 3, 8))
+    torch.nn.init.normal_(layer.fc2.weight)
+    out = layer.unroll(x, emb)
+    second = layer.step(layer.step(x, emb[..., 0, :]), emb[..., 1, :])
+    assert torch.allclose(out[..., 1, :], second)
+    assert torch.equal(layer(x, heads=1), x.unsqueeze(-2))
+    with pytest.raises(Exception, match="tokens"):
+        layer(x)  # later heads need their tokens
+
+
+def test_recurrent_criterion_feeds_target_tokens():
+    """At position t, head j + 1 reads target tokens t .. t + j - 1 (shifted, pad past the end)."""
+    d = make_dictionary(6)
+    task = make_task(d)
+    model = blockwise_model(task, heads=3, proposal_layer="recurrent", proposal_hidden_dim=8)
+    torch.nn.init.normal_(model.decoder.proposal.fc2.weight)
+    criterion = BlockwiseCrossEntropyCriterion(task, False, 0.0, head_sampling="mean")
+    g = torch.Generator().manual_seed(1)
+    sources = [torch.cat([torch.randint(d.nspecial, len(d), (n,), generator=g),
+                          torch.tensor([d.eos()])]) for n in (5, 3)]
+    sample = collate(d, sources, targets=[s.flip(0).roll(-1) for s in sources])
+    with torch.no_grad():
+        features, _ = model(**sample["net_input"], features_only=True)
+        outputs = criterion.head_outputs(model.decoder, features, sample["target"], 3)
+        target = sample["target"]
+        t = 1
+        first = model.decoder.proposal_step(features[:, t], target[:, t])
+        second = model.decoder.proposal_step(first, target[:, t + 1])
+    assert outputs.shape[:3] == target.shape + (3,)
+    assert torch.equal(outputs[:, t, 0], features[:, t])
+    assert torch.allclose(outputs[:, t, 1], first, atol=1e-6)
+    assert torch.allclose(outputs[:, t, 2], second, atol=1e-6)
+
+
+def test_recurrent_heads_need_identity_first_head():
+    d = make_dictionary(6)
+    with pytest.raises(Exception, match="--identity-first-head"):
+        blockwise_model(make_task(d), heads=3, identity=False, proposal_layer="recurrent")

@@ -122,11 +122,16 @@ def test_gad_with_a_disagreeing_drafter_still_samples_p(setup, setting):
     assert chi_square_pvalue(reference[setting], counts) > ALPHA
 
 
-@pytest.mark.parametrize("setting", [SETTINGS[0], SETTINGS[1]])
-def test_blockwise_heads_sample_their_proposals(setting):
+@pytest.mark.parametrize("setting, layer",
+                         [(SETTINGS[0], "paper"), (SETTINGS[1], "paper"), (SETTINGS[0], "recurrent")])
+def test_blockwise_heads_sample_their_proposals(setting, layer):
+    """Recurrent heads draw each proposal in turn and feed the drawn token to the next one."""
     d = make_dictionary(5)
     task = make_task(d)
-    model = peaked(blockwise_model(task, heads=3, seed=4))
+    model = peaked(blockwise_model(task, heads=3, seed=4, proposal_layer=layer))
+    if layer == "recurrent":  # W2 = 0 would make every head p_1; give the step something to do
+        with torch.no_grad():
+            torch.nn.init.normal_(model.decoder.proposal.fc2.weight, std=0.3)
     reference = fairseq_counts(model, d, one_source(d, 64), 4000, *setting)
     counts, _ = ours_counts(model, d, HeadsDrafter(model.decoder, d.pad(), 3), one_source(d, 16),
                             2000, *setting)

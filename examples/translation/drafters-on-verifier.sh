@@ -8,8 +8,9 @@
 #      the verifier outputs, i.e. what exact verification accepts
 #   2. gad:       a block-causal GLAT drafter (its prefix is cached while decoding) that reads
 #                 the verifier's encoder output and starts from the verifier's decoder
-#      blockwise: one small residual block per head (--proposal-layer light) on the frozen
-#                 verifier, identity p_1 (lossless)
+#      blockwise: proposal heads on the frozen verifier, identity p_1 (lossless): HEADS=recurrent
+#                 (one step shared by the heads, each reading the state and token of the one
+#                 before it) or HEADS=light (one small residual block per head)
 #   3. benchmark: greedy, beam 5, lean_greedy and the new generator(s), batch 1 and 32
 #
 # usage: VERIFIER=ckpt.pt examples/translation/drafters-on-verifier.sh METHOD [DATA_DIR] [OUT]
@@ -19,7 +20,8 @@
 # Environment: SRC=de TGT=en; PRESET=cpu (MAX_MINUTES per trained model, default 60; THREADS,
 #   default 2: two models train side by side with METHOD=both, one thread each) or gpu
 #   (drafters up to 20k updates); K (drafter slots / heads, default 8); DRAFTER_LAYERS (default:
-#   1 with PRESET=cpu, else the verifier's decoder layers); DRAFT_VOCAB (shortlist of the
+#   1 with PRESET=cpu, else the verifier's decoder layers); HEADS (recurrent or light, default
+#   recurrent); DRAFT_VOCAB (shortlist of the
 #   benchmark's vocabN rows, default 2000); DISTILL_SENTENCES=N self-distils (and trains on) only the
 #   first N training sentences (the verifier decodes ~20-40 sentences/s on 2 CPU cores);
 #   BENCH=0 trains only; REPEATS, BENCH_SENTENCES.
@@ -32,6 +34,8 @@ SRC=${SRC:-de} TGT=${TGT:-en}
 PRESET=${PRESET:-cpu}
 THREADS=${THREADS:-2}
 K=${K:-8}
+HEADS=${HEADS:-recurrent}
+case "$HEADS" in light|recurrent) ;; *) echo "drafters-on-verifier.sh: error: HEADS must be light or recurrent (got $HEADS)" >&2; exit 1 ;; esac
 case "$METHOD" in gad|blockwise|both) ;; *) echo "drafters-on-verifier.sh: error: METHOD must be gad, blockwise or both (got $METHOD)" >&2; exit 1 ;; esac
 [ -n "${VERIFIER:-}" ] && [ -f "$VERIFIER" ] || { echo "drafters-on-verifier.sh: error: set VERIFIER to the trained checkpoint (got '${VERIFIER:-}')" >&2; exit 1; }
 [ -f "$DIR/bin/dict.$SRC.txt" ] || { echo "drafters-on-verifier.sh: error: no binarized data in $DIR/bin" >&2; exit 1; }
@@ -84,12 +88,12 @@ train_gad() {
     --lr 5e-4 "${budget[@]}" > "$OUT/train-gad.log" 2>&1
 }
 train_heads() {
-  [ -f "$OUT/heads/checkpoint_last.pt" ] && [ -z "${RESUME:-}" ] && return
-  log "light proposal heads (k=$K) on the frozen verifier"
+  [ -f "$OUT/heads-$HEADS/checkpoint_last.pt" ] && [ -z "${RESUME:-}" ] && return
+  log "$HEADS proposal heads (k=$K) on the frozen verifier"
   OMP_NUM_THREADS=$one ARCH=blockwise_transformer MAX_MINUTES=${MAX_MINUTES:-60} bash "$HERE/examples/train-transformer.sh" \
-    "$SELF/bin" "$OUT/heads" "$SRC" "$TGT" --proposal-heads "$K" --identity-first-head --freeze-base \
-    --proposal-layer light --init-from-transformer "$VERIFIER" --criterion blockwise_cross_entropy \
-    --head-sampling position --warmup-updates 100 "${budget[@]}" > "$OUT/train-heads.log" 2>&1
+    "$SELF/bin" "$OUT/heads-$HEADS" "$SRC" "$TGT" --proposal-heads "$K" --identity-first-head --freeze-base \
+    --proposal-layer "$HEADS" --init-from-transformer "$VERIFIER" --criterion blockwise_cross_entropy \
+    --head-sampling position --warmup-updates 100 "${budget[@]}" > "$OUT/train-heads-$HEADS.log" 2>&1
 }
 case "$METHOD" in
   gad) train_gad ;;
@@ -108,9 +112,10 @@ if [ "$METHOD" != blockwise ]; then
           "gad:label=gad++top3-tau1-vocab$V,drafter_path='$OUT/gad/checkpoint_last.pt',gad_beta=3,gad_tau=1.0,draft_vocab=$V")
 fi
 if [ "$METHOD" != gad ]; then
-  specs+=("blockwise:label=blockwise-light-k$K-fixed,path='$OUT/heads/checkpoint_last.pt',block_size=$K"
-          "blockwise:label=blockwise-light-adaptive,path='$OUT/heads/checkpoint_last.pt'"
-          "blockwise:label=blockwise-light-adaptive-vocab$V,path='$OUT/heads/checkpoint_last.pt',draft_vocab=$V")
+  H=$OUT/heads-$HEADS/checkpoint_last.pt
+  specs+=("blockwise:label=blockwise-$HEADS-k$K-fixed,path='$H',block_size=$K"
+          "blockwise:label=blockwise-$HEADS-adaptive,path='$H'"
+          "blockwise:label=blockwise-$HEADS-adaptive-vocab$V,path='$H',draft_vocab=$V")
 fi
 OMP_NUM_THREADS=$THREADS python -m fairseq_pardec.benchmark "$DIR/bin" --path "$VERIFIER" -s "$SRC" -t "$TGT" \
   --threads "$THREADS" --repeats "${REPEATS:-3}" ${BENCH_SENTENCES:+--max-sentences $BENCH_SENTENCES} \

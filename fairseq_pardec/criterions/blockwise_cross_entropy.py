@@ -5,7 +5,8 @@ on one head drawn uniformly at random per batch (an unbiased estimate of the mea
 that needs one vocabulary projection instead of k); ``--head-sampling mean`` uses all k (k
 projections per position: with k = 10 on a CPU a tenth of the updates); ``--head-sampling
 position`` draws one head per target position, so every head learns in every batch for the
-price of one projection (our addition, for models with many heads).
+price of one projection (our addition, for models with many heads). Recurrent heads
+(``--proposal-layer recurrent``) are unrolled at every position on the target tokens.
 """
 
 from dataclasses import dataclass, field
@@ -89,6 +90,18 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         labels = padded.gather(1, positions).masked_fill(target.eq(self.padding_idx), self.padding_idx)
         return [picked], [labels]
 
+    def head_outputs(self, decoder, features, target, count):
+        """(B, T, count, d) outputs of heads 1..count at every position. Recurrent heads read
+        the tokens before their own: at position t, the target tokens t .. t + count - 2 (what
+        the verifier outputs there, so what exact acceptance feeds them whenever they count)."""
+        if not decoder.proposals_read_tokens:
+            return decoder.proposal(features, heads=count)
+        if count == 1:
+            return features.unsqueeze(-2)
+        ahead = torch.stack([shift_target(target, j, self.padding_idx) for j in range(count - 1)], -1)
+        later = decoder.proposal_features(features, count - 1, tokens=ahead)
+        return torch.cat([features.unsqueeze(-2), later], dim=-2)
+
     def forward(self, model, sample, reduce=True):
         decoder = model.decoder
         if not hasattr(decoder, "proposal"):
@@ -103,8 +116,8 @@ class BlockwiseCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             # trains the same head, so N processes train as one process with --update-freq N.
             generator = update_generator(self.update_num)
             heads = [heads[int(torch.randint(len(heads), (1,), generator=generator))]]
-        outputs = decoder.proposal(features, heads=max(heads) + 1)
         target = sample["target"]
+        outputs = self.head_outputs(decoder, features, target, max(heads) + 1)
         if self.head_sampling == "position" and model.training:
             # draws keyed by the update and the batch's sentences: the same on any rank (seeding.py)
             generator = update_generator(self.update_num, sample.get("id"))

@@ -241,7 +241,8 @@ class DraftVerifyGenerator(StatsGenerator):
             # the drafter may read the verifier's state after the last kept position
             # (blockwise decoding's proposal heads: merged invocation)
             t0 = clock() if clock else 0.0
-            self.drafter.observe(rows, features[layout.at(ar, gained - 1)], gained - 1)
+            self.drafter.observe(rows, features[layout.at(ar, gained - 1)], gained - 1,
+                                 new_tokens[ar, gained - 1])
             if clock:
                 self.stats.drafter_time += clock() - t0
 

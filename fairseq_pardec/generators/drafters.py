@@ -10,7 +10,12 @@ from typing import List
 import torch
 from torch import Tensor
 from ..errors import UsageError
-from .output_projection import base_projection, draft_projection, plain_output_projection
+from .output_projection import (
+    ShortlistProjection,
+    base_projection,
+    draft_projection,
+    plain_output_projection,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +72,11 @@ class Drafter:
         """
         raise NotImplementedError
 
-    def observe(self, rows: Tensor, features: Tensor, last: Tensor):
+    def observe(self, rows: Tensor, features: Tensor, last: Tensor, tokens: Tensor = None):
         """Called after each verification with the verifier's (B, d) features after each row's
-        last kept token and, per row, that token's block position (= draft tokens accepted).
-        Most drafters ignore the features."""
+        last kept token, per row that token's block position (= draft tokens accepted), and
+        (B,) the verifier's token chosen from those features (the row's newest token). Most
+        drafters ignore the features and tokens."""
 
 
 class NoDrafter(Drafter):
@@ -241,7 +247,7 @@ class CopyDrafter(Drafter):
         self._drafted = (row_ids, [len(d) for d in drafts])
         return pad_drafts(drafts, self.pad, tokens.device)
 
-    def observe(self, rows, features, last):
+    def observe(self, rows, features, last, tokens=None):
         if not self.adaptive or self._drafted is None:
             return
         row_ids, lengths = self._drafted
@@ -295,20 +301,50 @@ class HeadsDrafter(Drafter):
         self.drafted = lengths
         return draft, lengths
 
-    def _logits(self, features, mean_accepted):
-        """(B, d) verifier features -> (B, n, V) logits of the next n heads' proposals, and
-        each row's cap (None: not adaptive)."""
+    def _width(self, mean_accepted):
+        """How many heads to run (n) and each row's cap (None: not adaptive)."""
         n, caps = self.width, None
         if self.adaptive and self.sampler is None:
             caps = (2 * mean_accepted).long() + 1
             n = max(1, min(self.width, int(caps.max())))
-        hidden = self.decoder.proposal_features(features, n)  # (B, n, d)
-        if self.project is None:
-            return self.decoder.base_logits(hidden), caps
-        flat = self.project(hidden.reshape(-1, hidden.size(-1)))
-        return flat.view(hidden.shape[:-1] + (-1,)), caps
+        return n, caps
 
-    def observe(self, rows, features, last):
+    def _project(self, hidden):
+        """(..., d) head outputs -> (..., V) logits, padding never proposed."""
+        if self.project is None:
+            logits = self.decoder.base_logits(hidden)
+        else:
+            flat = self.project(hidden.reshape(-1, hidden.size(-1)))
+            logits = flat.view(hidden.shape[:-1] + (-1,))
+        logits[..., self.pad] = float("-inf")
+        return logits
+
+    def _choose(self, logits):
+        """Proposals from (..., V) logits: the best tokens, or drawn ones with the
+        distributions drawn from (speculative sampling)."""
+        if self.sampler is None:
+            return logits.argmax(dim=-1), None
+        return self._draw(logits)
+
+    def _recurrent(self, features, tokens, n):
+        """Recurrent heads: each proposal from the state and token of the one before it,
+        starting at the verifier's features and its token. (B, n) proposals, (B, n, V) or
+        None."""
+        if tokens is None:
+            raise UsageError("recurrent proposal heads need the verifier's newest tokens")
+        state, token, chosen, dists = features, tokens, [], []
+        shortlist = self.sampler is None and isinstance(self.project, ShortlistProjection)
+        for _ in range(n):
+            state = self.decoder.proposal_step(state, token)
+            if shortlist:  # padding is never shortlisted
+                token, probs = self.project.best(state), None
+            else:
+                token, probs = self._choose(self._project(state))
+            chosen.append(token)
+            dists.append(probs)
+        return torch.stack(chosen, 1), None if self.sampler is None else torch.stack(dists, 1)
+
+    def observe(self, rows, features, last, tokens=None):
         if self.width <= 0:
             return
         if self.adaptive and self.drafted is not None:
@@ -316,16 +352,15 @@ class HeadsDrafter(Drafter):
             mean = self.mean_accepted[rows]
             self.mean_accepted[rows] = torch.where(self.drafted > 0, 0.5 * (mean + accepted), mean)
         self.drafted = None
-        logits, caps = self._logits(features, self.mean_accepted[rows])
-        n = logits.size(1)
-        logits[..., self.pad] = float("-inf")
-        if self.sampler is None:
-            self.next_draft[rows, :n] = logits.argmax(dim=-1)
-        else:  # speculative sampling: draw the proposals, keep the distributions drawn from
-            drawn, probs = self._draw(logits)
+        n, caps = self._width(self.mean_accepted[rows])
+        if self.decoder.proposals_read_tokens:
+            drafted, probs = self._recurrent(features, tokens, n)
+        else:
+            drafted, probs = self._choose(self._project(self.decoder.proposal_features(features, n)))
+        self.next_draft[rows, :n] = drafted
+        if probs is not None:  # speculative sampling: keep the distributions drawn from
             if self.next_probs is None:
                 self.next_probs = probs.new_zeros((self.next_draft.size(0),) + probs.shape[1:])
-            self.next_draft[rows] = drawn
             self.next_probs[rows] = probs
         self.next_len[rows] = n if caps is None else caps.clamp(max=n)
 
@@ -475,7 +510,7 @@ class CachedNARDrafter(NARDrafter):
         self.drafted = lengths
         return draft, lengths
 
-    def observe(self, rows, features, last):
+    def observe(self, rows, features, last, tokens=None):
         if not self.adaptive or self.drafted is None:
             return
         drafted = self.drafted

@@ -95,6 +95,10 @@ class ShortlistProjection(OutputProjection):
         self.ids = self.ids.to(weight.device)
         return weight[self.ids].t().contiguous()
 
+    def best(self, features: Tensor) -> Tensor:
+        """(R, d) -> (R,) the best shortlisted type of each row (no full-vocabulary logits)."""
+        return self.ids[(features @ self.weight_t()).argmax(dim=-1)]
+
     def __call__(self, features: Tensor) -> Tensor:
         """(R, d) -> (R, V) logits, -inf outside the shortlist."""
         short = features @ self.weight_t()

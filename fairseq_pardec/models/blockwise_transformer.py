@@ -111,11 +111,76 @@ class LightProposalLayer(_Heads):
         return torch.einsum("...nh,nhd->...nd", hidden, self.fc2_weight[:need]) + self.fc2_bias[:need]
 
 
+class RecurrentProposalLayer(nn.Module):
+    """Heads p_2..p_k as one learned step applied again and again (``--proposal-layer
+    recurrent``; our addition, after the feature-level drafting of EAGLE, Li et al. 2024, and
+    the sequentially dependent heads of Hydra, Ankner et al. 2024).
+
+    p_1 is the base itself. Head j + 1 reads the state of head j and the token head j chose:
+    ``h_0`` = the base's features at the kept position, ``h_j = h_{j-1} + W2 act(W1 [h_{j-1};
+    e(y_j)])`` with ``e`` the decoder's (shared) token embedding, and p_{j+1} projects ``h_j``
+    with the base's output layer. The light and paper heads all guess from ``h_0`` alone, so
+    head 3 cannot know which token head 2 proposed; here every proposal is conditioned on the
+    ones before it, at the price of running the step once per proposal (a few small products
+    per draft token, against the verifier's whole decoder per verification).
+
+    Exact verification only ever accepts proposal j + 1 after proposals 1..j were accepted,
+    that is, equal to the verifier's own tokens: training feeds the target tokens (the
+    verifier's outputs, self-distilled) and the step's own states, which is what decoding
+    feeds whenever a proposal can count. W2 starts at zero: every head starts as p_1.
+    """
+
+    identity_first_head = True
+    reads_tokens = True
+
+    def __init__(self, embed_dim, token_dim, hidden_dim, heads, activation_fn="relu"):
+        super().__init__()
+        self.heads = heads
+        self.embed_dim, self.hidden_dim = embed_dim, hidden_dim
+        self.fc1 = nn.Linear(embed_dim + token_dim, hidden_dim)
+        self.fc2 = nn.Linear(hidden_dim, embed_dim)
+        nn.init.zeros_(self.fc2.weight)
+        nn.init.zeros_(self.fc2.bias)
+        self.activation_fn = utils.get_activation_fn(activation_fn)
+
+    def step(self, state, token_embedding):
+        """(..., d) state of head j, (..., d_e) embedding of its token -> state of head j + 1."""
+        hidden = self.activation_fn(self.fc1(torch.cat([state, token_embedding], dim=-1)))
+        return state + self.fc2(hidden)
+
+    def forward(self, x, heads=None):
+        """p_1 only: the later heads need tokens (:meth:`unroll`)."""
+        if (self.heads if heads is None else heads) > 1:
+            raise UsageError("recurrent proposal heads read the tokens before them; "
+                             "use unroll(features, token_embeddings)")
+        return x.unsqueeze(-2)
+
+    def unroll(self, x, token_embeddings):
+        """(..., d) features, (..., n, d_e) embeddings of the tokens p_1..p_n chose ->
+        (..., n, d) states of heads 2..n+1."""
+        states, state = [], x
+        for j in range(token_embeddings.size(-2)):
+            state = self.step(state, token_embeddings[..., j, :])
+            states.append(state)
+        return torch.stack(states, dim=-2)
+
+
 class BlockwiseTransformerDecoder(TransformerDecoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, heads, identity_first_head,
                  proposal_layer="paper", proposal_hidden_dim=None, **kwargs):
         super().__init__(cfg, dictionary, embed_tokens, **kwargs)
-        if proposal_layer == "light":
+        if proposal_layer == "recurrent":
+            if not identity_first_head:
+                raise UsageError("--proposal-layer recurrent needs --identity-first-head (its "
+                                 "first proposal reads the token p_1 chose)")
+            self.proposal = RecurrentProposalLayer(
+                self.output_embed_dim,
+                embed_tokens.embedding_dim,
+                proposal_hidden_dim or 2 * self.output_embed_dim,
+                heads,
+                activation_fn=cfg.activation_fn,
+            )
+        elif proposal_layer == "light":
             self.proposal = LightProposalLayer(
                 self.output_embed_dim,
                 proposal_hidden_dim or max(1, self.output_embed_dim // 4),
@@ -154,10 +219,24 @@ class BlockwiseTransformerDecoder(TransformerDecoderBase):
         """The base's vocabulary projection, shared by every head."""
         return super().output_layer(hidden)
 
-    def proposal_features(self, features, count):
+    @property
+    def proposals_read_tokens(self):
+        """True when each proposal reads the token chosen before it (recurrent heads)."""
+        return getattr(self.proposal, "reads_tokens", False)
+
+    def proposal_features(self, features, count, tokens=None):
         """(..., d) features -> (..., count, d) outputs of heads 2..count+1, before the
-        vocabulary projection."""
+        vocabulary projection. ``tokens`` (..., count): the tokens p_1..p_count chose, which
+        recurrent heads read (the others ignore them)."""
+        if self.proposals_read_tokens:
+            if tokens is None:
+                raise UsageError("recurrent proposal heads need the tokens before them")
+            return self.proposal.unroll(features, self.embed_tokens(tokens))
         return self.proposal.later(features, count)
+
+    def proposal_step(self, state, tokens):
+        """Recurrent heads: (B, d) state of head j and (B,) its token -> state of head j + 1."""
+        return self.proposal.step(state, self.embed_tokens(tokens))
 
 
 @register_model("blockwise_transformer")
@@ -177,12 +256,15 @@ class BlockwiseTransformerModel(TransformerModel):
                                  "transformer checkpoint (the proposal layer starts as identity)")
         parser.add_argument("--freeze-base", action="store_true",
                             help="train the proposal layer only (the paper's 'frozen' setting)")
-        parser.add_argument("--proposal-layer", choices=["paper", "light"],
+        parser.add_argument("--proposal-layer", choices=["paper", "light", "recurrent"],
                             help="paper: one multi-output feed-forward layer (k d_ffn hidden "
                                  "units shared by all heads); light: one small residual block "
-                                 "per head (--proposal-hidden-dim), cost linear in k")
+                                 "per head (--proposal-hidden-dim), cost linear in k; recurrent: "
+                                 "one step shared by all heads, each reading the state and token "
+                                 "of the head before it (needs --identity-first-head)")
         parser.add_argument("--proposal-hidden-dim", type=int, metavar="H",
-                            help="hidden size of each light head (default: decoder embed dim / 4)")
+                            help="hidden size of each light head (default: decoder embed dim / 4) "
+                                 "or of the recurrent step (default: 2 x decoder embed dim)")
 
     @classmethod
     def build_model(cls, args, task):
@@ -255,4 +337,4 @@ def blockwise_transformer_tiny(args):
 
 
 __all__ = ["BlockwiseTransformerModel", "BlockwiseTransformerDecoder", "LightProposalLayer",
-           "ProposalLayer"]
+           "ProposalLayer", "RecurrentProposalLayer"]
