@@ -23,7 +23,7 @@
 # Prints the table (markdown) at the end; OUT/bench-*/results.json hold the measurements.
 # Fast path on top of a model you already have: VERIFIER=path/to/checkpoint.pt blockwise.sh
 #   [DATA_BIN] [IGNORED] [IGNORED] [OUT] runs examples/translation/drafters-on-verifier.sh
-#   blockwise (self-distillation, light heads on the frozen model, lossless).
+#   blockwise (self-distillation, recurrent or light heads on the frozen model, HEADS=; lossless).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
 if [ -n "${VERIFIER:-}" ]; then
