@@ -264,13 +264,19 @@ def test_position_head_sampling_labels_and_gradients():
 @pytest.fixture(scope="module")
 def trained_light_heads(copy_model):
     """Light heads (one small residual block each) on a frozen copy of the near-copy model."""
+    return frozen_base_heads(copy_model, "light", hidden=16, first_seed=3000)
+
+
+def frozen_base_heads(copy_model, layer, hidden, first_seed):
+    """(base, model, task, make_sample): ``layer`` heads trained on a frozen copy of the
+    near-copy model."""
     base, d, make_sample = copy_model
     task = make_task(d)
     model = blockwise_model(task, heads=4, base=base, encoder_layers=1, decoder_layers=2,
-                            proposal_layer="light", proposal_hidden_dim=16)
+                            proposal_layer=layer, proposal_hidden_dim=hidden)
     for name, param in model.named_parameters():
         param.requires_grad = name.startswith("decoder.proposal.")
-    fit_heads(model, task, make_sample, steps=200, lr=3e-3, first_seed=3000)
+    fit_heads(model, task, make_sample, steps=200, lr=3e-3, first_seed=first_seed)
     return base, model, task, make_sample
 
 
@@ -302,14 +308,7 @@ def test_light_heads_shapes_and_identity_start():
 def trained_recurrent_heads(copy_model):
     """Recurrent heads (one step shared by all heads, each reading the token before it) on a
     frozen copy of the near-copy model."""
-    base, d, make_sample = copy_model
-    task = make_task(d)
-    model = blockwise_model(task, heads=4, base=base, encoder_layers=1, decoder_layers=2,
-                            proposal_layer="recurrent", proposal_hidden_dim=32)
-    for name, param in model.named_parameters():
-        param.requires_grad = name.startswith("decoder.proposal.")
-    fit_heads(model, task, make_sample, steps=200, lr=3e-3, first_seed=5000)
-    return base, model, task, make_sample
+    return frozen_base_heads(copy_model, "recurrent", hidden=32, first_seed=5000)
 
 
 @pytest.mark.parametrize("batch_size, block_size, draft_vocab",
