@@ -116,6 +116,18 @@ def test_iad_identical_to_greedy_and_reports_stats(cli_data, stock_checkpoint):
     assert "mean accepted tokens per iteration" in summary[0]
 
 
+def test_lookup_with_a_draft_corpus_identical_to_greedy(cli_data, stock_checkpoint):
+    root, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    greedy = generate(data, ckpt, "--generator", "greedy", "--batch-size", 8)
+    lookup = generate(data, ckpt, "--generator", "lookup", "--draft-corpus", root / "raw" / "train.tgt",
+                      "--batch-size", 8)
+    assert hypotheses(lookup.stdout) == hypotheses(greedy.stdout)
+    assert "lookup drafter: n-gram table of" in lookup.stderr
+    proc = generate(data, ckpt, "--generator", "lookup", "--draft-corpus", root / "nope.txt", check=False)
+    assert_clean_error(proc, "--draft-corpus", "no such file")
+
+
 def test_checkpoint_of_our_task_decodes_with_stock_task(cli_data):
     root, data = cli_data
     save = root / "ckpt-ours"
@@ -191,6 +203,7 @@ def test_block_size_must_be_positive(cli_data, stock_checkpoint):
     ("greedy", ["--block-size", "4"], "--generator greedy does not use it"),
     ("lean_greedy", ["--gad-beta", "3"], "--gad-beta is an option of --generator gad"),
     ("iad", ["--blockwise-topk", "2"], "--blockwise-topk is an option of --generator blockwise"),
+    ("iad", ["--draft-corpus", "x.txt"], "--draft-corpus is an option of --generator lookup"),
 ])
 def test_options_of_another_generator_are_refused(cli_data, stock_checkpoint, generator, flags, needle):
     _, data = cli_data

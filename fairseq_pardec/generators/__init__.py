@@ -16,6 +16,7 @@ from .acceptance import (
 from .draft_verify import DraftVerifyGenerator, build_draft_verify
 from .drafters import CachedNARDrafter, CopyDrafter, Drafter, HeadsDrafter, NARDrafter, NoDrafter
 from .fairseq_search import CountingSequenceGenerator, build_beam, build_greedy
+from .lookup import LookupDrafter, NgramTable
 from .interleaved_beam import InterleavedBeamSearch, build_interleaved
 from .generation_options import refuse
 from .stats import DecodeStats
@@ -30,6 +31,19 @@ def build_iad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
         adaptive=task.cfg.block_size is None,
     )
     return build_draft_verify(task, models, args, drafter, ExactAcceptance(), "iad",
+                              extra_gen_cls_kwargs=extra_gen_cls_kwargs)
+
+
+def build_lookup(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
+    """Lookup drafting (no drafter model): the source, the output itself, and an n-gram table of
+    --draft-corpus; exact verification, or GAD++'s relaxed one (--gad-beta/--gad-tau)."""
+    cfg = task.cfg
+    dictionary = task.target_dictionary
+    table = NgramTable.from_file(cfg.draft_corpus, dictionary) if cfg.draft_corpus else None
+    drafter = LookupDrafter(task.source_dictionary, dictionary, table, block_size=cfg.block_size,
+                            adaptive=cfg.block_size is None)
+    rule = TopBetaTauAcceptance(cfg.gad_beta, cfg.gad_tau)
+    return build_draft_verify(task, models, args, drafter, rule, "lookup",
                               extra_gen_cls_kwargs=extra_gen_cls_kwargs)
 
 
@@ -110,6 +124,7 @@ GENERATORS = {
     "greedy": build_greedy,
     "iad": build_iad,
     "lean_greedy": build_lean_greedy,
+    "lookup": build_lookup,
     "blockwise": build_blockwise,
     "gad": build_gad,
     "interleaved": build_interleaved,
@@ -121,6 +136,8 @@ __all__ = [
     "AcceptanceRule",
     "ExactAcceptance",
     "CopyDrafter",
+    "LookupDrafter",
+    "NgramTable",
     "Drafter",
     "DraftVerifyGenerator",
     "CountingSequenceGenerator",

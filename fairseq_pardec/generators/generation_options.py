@@ -14,8 +14,8 @@ from fairseq.tasks.fairseq_task import FairseqTask
 from ..errors import UsageError
 
 # Generators that decode greedily (one hypothesis, beam 1), and the one beam search of ours.
-GREEDY_ONLY = ("greedy", "lean_greedy", "iad", "gad", "blockwise")
-DRAFT_VERIFY = ("lean_greedy", "iad", "gad", "blockwise")
+GREEDY_ONLY = ("greedy", "lean_greedy", "iad", "lookup", "gad", "blockwise")
+DRAFT_VERIFY = ("lean_greedy", "iad", "lookup", "gad", "blockwise")
 INTERLEAVED = ("interleaved",)
 
 
@@ -44,10 +44,11 @@ REFUSALS = (
 # Task options (--task translation_pardec) and the generators that read them, with their
 # defaults: any other generator refuses a non-default value.
 TASK_OPTION_USERS = {
-    "block_size": ("--block-size", None, ("iad", "gad", "blockwise")),
+    "block_size": ("--block-size", None, ("iad", "lookup", "gad", "blockwise")),
+    "draft_corpus": ("--draft-corpus", None, ("lookup",)),
     "drafter_path": ("--drafter-path", None, ("gad",)),
-    "gad_beta": ("--gad-beta", 1, ("gad",)),
-    "gad_tau": ("--gad-tau", 0.0, ("gad",)),
+    "gad_beta": ("--gad-beta", 1, ("gad", "lookup")),
+    "gad_tau": ("--gad-tau", 0.0, ("gad", "lookup")),
     "blockwise_topk": ("--blockwise-topk", 1, ("blockwise",)),
     "blockwise_distance": ("--blockwise-distance", None, ("blockwise",)),
     "min_block_size": ("--min-block-size", 1, ("blockwise",)),

@@ -57,7 +57,9 @@ class TranslationPardecConfig(TranslationConfig):
         metadata={
             "help": "decoding method: beam (fairseq beam search), greedy (beam 1), lean_greedy "
             "(greedy's output from the draft-and-verify engine, nothing drafted), iad "
-            "(input-guided aggressive decoding: copy the source as a draft, lossless), blockwise "
+            "(input-guided aggressive decoding: copy the source as a draft, lossless), lookup "
+            "(draft what followed the output's last tokens in the source, the output itself and "
+            "--draft-corpus; no drafter model, lossless), blockwise "
             "(blockwise parallel decoding with a blockwise_transformer's proposal heads), gad "
             "(generalized aggressive decoding with a glat_drafter, --drafter-path), interleaved "
             "(multi-word beam search of ibdecoder models; beam and greedy map to it for them)"
@@ -66,8 +68,8 @@ class TranslationPardecConfig(TranslationConfig):
     block_size: Optional[int] = field(
         default=None,
         metadata={
-            "help": "draft-and-verify generators: iad: a fixed cap on the draft tokens verified per "
-            "iteration (default: each row's cap follows its acceptance, under a CPU ceiling of 16 "
+            "help": "draft-and-verify generators: iad, lookup: a fixed cap on the draft tokens "
+            "verified per iteration (default: each row's cap follows its acceptance, under a CPU ceiling of 16 "
             "that shrinks to 6 as the batch grows, "
             "unbounded on a GPU); blockwise: a fixed block size k counting p_1, as in the paper "
             "(default: each row's cap follows its acceptance, under the model's --proposal-heads)"
@@ -89,13 +91,13 @@ class TranslationPardecConfig(TranslationConfig):
     )
     gad_beta: int = field(
         default=1,
-        metadata={"help": "gad: GAD++ accepts a draft token within the verifier's top-beta "
-                  "(1 with --gad-tau 0 = lossless GAD)"},
+        metadata={"help": "gad, lookup: GAD++ accepts a draft token within the verifier's "
+                  "top-beta (1 with --gad-tau 0 = lossless)"},
     )
     gad_tau: float = field(
         default=0.0,
-        metadata={"help": "gad: GAD++ tolerance: the draft token's log-probability may be at most "
-                  "tau below the top-1's"},
+        metadata={"help": "gad, lookup: GAD++ tolerance: the draft token's log-probability may "
+                  "be at most tau below the top-1's"},
     )
     interleaved_candidates: Optional[int] = field(
         default=None,
@@ -113,6 +115,13 @@ class TranslationPardecConfig(TranslationConfig):
                   "types of the target dictionary (its counts), a cheaper vocabulary projection; "
                   "the verifier still scores every type, so lossless stays lossless (default: "
                   "the whole vocabulary)"},
+    )
+    draft_corpus: Optional[str] = field(
+        default=None,
+        metadata={"help": "lookup: target-side text, one sentence per line in the model's subword "
+                  "units (the training targets, or the verifier's own outputs from "
+                  "examples/distill.sh), whose n-gram table continues drafts that the source and "
+                  "the output cannot (default: source and output only)"},
     )
     # Set by the parser when --beam is typed: fairseq's default beam is 5, so a typed --beam 5
     # is otherwise indistinguishable from no --beam (greedy-only generators refuse a typed one).
