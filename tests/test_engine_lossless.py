@@ -36,9 +36,9 @@ def lengths(batch_size):
     return [1 + (i * 13) % 45 for i in range(batch_size)]
 
 
-@pytest.mark.parametrize("batch_size", [1, 8, 64])
-@pytest.mark.parametrize("shared", [True, False])
-def test_random_model_equals_greedy(batch_size, shared):
+def random_setting(batch_size, shared):
+    """A random model, a batch of ragged random sources and fairseq's greedy outputs for it;
+    ``shared``: one dictionary object, else equal strings in another (plus one target-only)."""
     src_dict = make_dictionary(50)
     tgt_dict = src_dict if shared else make_dictionary(50, prefix="w")  # same strings, other object
     if not shared:
@@ -47,6 +47,13 @@ def test_random_model_equals_greedy(batch_size, shared):
     model = tiny_transformer(task, seed=batch_size)
     sample = random_batch(src_dict, lengths(batch_size), seed=batch_size)
     expected = fairseq_greedy(model, tgt_dict, sample, max_len_a=1.2, max_len_b=10)
+    return src_dict, tgt_dict, model, sample, expected
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+@pytest.mark.parametrize("shared", [True, False])
+def test_random_model_equals_greedy(batch_size, shared):
+    src_dict, tgt_dict, model, sample, expected = random_setting(batch_size, shared)
     generator = iad(model, src_dict, tgt_dict, max_len_a=1.2, max_len_b=10)
     got = generator.generate([model], sample)
     assert_same(sample, expected, got)

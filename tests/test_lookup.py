@@ -8,8 +8,8 @@ from fairseq_pardec.errors import UsageError
 from fairseq_pardec.generators import DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.generators.lookup import LookupDrafter, NgramTable
 
-from helpers import by_id, collate, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
-from test_engine_lossless import assert_same, lengths
+from helpers import collate, make_dictionary, make_task, tiny_transformer
+from test_engine_lossless import assert_same, random_setting
 from test_speculative import SETTINGS, chi_square_pvalue, one_source, ours_counts
 
 EOS, START = 2, 2
@@ -123,14 +123,7 @@ def lookup(model, src_dict, tgt_dict, corpus=None, block_size=None, **kwargs):
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("corpus", ["none", "random", "outputs"])
 def test_random_model_equals_greedy(batch_size, shared, corpus):
-    src_dict = make_dictionary(50)
-    tgt_dict = src_dict if shared else make_dictionary(50, prefix="w")
-    if not shared:
-        tgt_dict.add_symbol("only_in_target")
-    task = make_task(src_dict, tgt_dict)
-    model = tiny_transformer(task, seed=batch_size)
-    sample = random_batch(src_dict, lengths(batch_size), seed=batch_size)
-    expected = fairseq_greedy(model, tgt_dict, sample, max_len_a=1.2, max_len_b=10)
+    src_dict, tgt_dict, model, sample, expected = random_setting(batch_size, shared)
     table_of = None
     if corpus == "random":
         g = torch.Generator().manual_seed(5)

@@ -11,7 +11,8 @@
 #      blockwise: proposal heads on the frozen verifier, identity p_1 (lossless): HEADS=recurrent
 #                 (one step shared by the heads, each reading the state and token of the one
 #                 before it) or HEADS=light (one small residual block per head)
-#   3. benchmark: greedy, beam 5, lean_greedy and the new generator(s), batch 1 and 32
+#   3. benchmark: greedy, beam 5, lean_greedy, lookup (no drafter model: the baseline a trained
+#      drafter has to beat) and the new generator(s), batch 1 and 32
 #
 # usage: VERIFIER=ckpt.pt examples/translation/drafters-on-verifier.sh METHOD [DATA_DIR] [OUT]
 #   METHOD    gad, blockwise or both
@@ -104,6 +105,10 @@ esac
 
 log "benchmark: greedy, beam 5, lean_greedy and the new generators (batch 1 and 32)"
 specs=(greedy beam:beam=5 lean_greedy)
+# lookup drafting: the source, the output itself, and an n-gram table of the training targets
+# plus the verifier's own outputs (nothing trained)
+cat "$SELF/raw/train.$TGT" "$DIR/bpe/train.$TGT" > "$OUT/draft-corpus.$TGT"
+specs+=("lookup:label=lookup,draft_corpus='$OUT/draft-corpus.$TGT'")
 # adaptive draft caps (no block_size), with and without a shortlist of DRAFT_VOCAB frequent types
 V=${DRAFT_VOCAB:-2000}
 if [ "$METHOD" != blockwise ]; then
