@@ -14,6 +14,7 @@ import torch
 from fairseq_pardec.benchmark import divergence
 from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.generators.beam_one import running_scores
+from fairseq_pardec.generators.lookup import LookupDrafter, NgramTable
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 from test_engine_lossless import RandomDrafter, lengths
@@ -42,7 +43,9 @@ def test_random_model_lossless_fp32(batch_size):
     model = tiny_transformer(make_task(d), seed=batch_size).cuda()
     sample = to_cuda(random_batch(d, lengths(batch_size), seed=batch_size))
     expected = fairseq_greedy(model, d, sample, max_len_a=1.2, max_len_b=10)
-    for drafter in (CopyDrafter(d, d), RandomDrafter(len(d), d.pad())):
+    table = NgramTable([h[0]["tokens"][:-1].tolist() for h in expected], len(d), d.eos(), d.eos())
+    for drafter in (CopyDrafter(d, d), RandomDrafter(len(d), d.pad()),
+                    LookupDrafter(d, d, table, adaptive=True)):
         generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), max_len_a=1.2, max_len_b=10)
         assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
 
