@@ -59,7 +59,7 @@ def test_order_is_capped_to_what_packs_into_int64():
     assert big.next_token([200_000, 200_001, 200_002]) == 200_003
 
 
-def test_from_file_reads_subword_text_and_refuses_bad_input(tmp_path):
+def test_from_file_reads_subword_text_and_refuses_bad_input(tmp_path, monkeypatch):
     d = make_dictionary(20)
     good = tmp_path / "corpus.txt"
     good.write_text("w1 w2 w3\n\nw1 w2 w4\nw1 w2 w3\n", encoding="utf-8")
@@ -72,6 +72,11 @@ def test_from_file_reads_subword_text_and_refuses_bad_input(tmp_path):
     empty.write_text("\n \n", encoding="utf-8")
     with pytest.raises(UsageError, match="has no sentences"):
         NgramTable.from_file(str(empty), d)
+    capped = tmp_path / "long.txt"
+    capped.write_text("w1 w2 w3\n" * 10, encoding="utf-8")
+    monkeypatch.setattr(NgramTable, "MAX_TOKENS", 7)  # two sentences fit, not a third
+    assert NgramTable.from_file(str(capped), d).sentences == 2
+    monkeypatch.undo()
     foreign = tmp_path / "foreign.txt"
     foreign.write_text("das ist kein Text im Wörterbuch w1\n", encoding="utf-8")
     with pytest.raises(UsageError, match="not in the target dictionary"):
