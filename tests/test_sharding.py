@@ -86,13 +86,15 @@ def generator_flags(name, ckpts):
         "greedy": [stock, "--generator", "greedy"],
         "lean_greedy": [stock, "--generator", "lean_greedy"],
         "iad": [stock, "--generator", "iad"],
+        "lookup": [stock, "--generator", "lookup", "--draft-corpus", ckpts["corpus"]],
         "blockwise": [ckpts["blockwise"], "--generator", "blockwise"],
         "gad": [stock, "--generator", "gad", "--drafter-path", ckpts["drafter"], "--block-size", 4],
         "interleaved": [ckpts["ibdecoder"], "--generator", "interleaved", "--beam", 4],
     }[name]
 
 
-GENERATOR_NAMES = ["beam", "greedy", "lean_greedy", "iad", "blockwise", "gad", "interleaved"]
+GENERATOR_NAMES = ["beam", "greedy", "lean_greedy", "iad", "lookup", "blockwise", "gad",
+                   "interleaved"]
 
 
 def shards(world, *flags):
@@ -104,9 +106,10 @@ def shards(world, *flags):
 def sharded_runs(cli_data, stock_checkpoint, blockwise_checkpoint, drafter_checkpoint,
                  ibdecoder_checkpoint, tmp_path_factory):
     """name -> [(exit status, stdout, stderr) of each run], unsharded first where there is one."""
-    _, data = cli_data
+    root, data = cli_data
     ckpts = {"stock": stock_checkpoint / "checkpoint_last.pt", "blockwise": blockwise_checkpoint,
-             "drafter": drafter_checkpoint, "ibdecoder": ibdecoder_checkpoint}
+             "drafter": drafter_checkpoint, "ibdecoder": ibdecoder_checkpoint,
+             "corpus": root / "raw" / "train.tgt"}
     stock = ckpts["stock"]
     plan = {}
     for name in GENERATOR_NAMES:
