@@ -50,6 +50,8 @@ GEC_ROWS = [
     ("iad", "IAD (copy drafter, lossless)", "`--generator iad` (CPU draft cap 10)",
      "IAD: identical to greedy, 7x-9x over beam-5 on GPU, ~6x on CPU (CoNLL-14, Transformer-big)",
      "our model is small and under-trained: more iterations per sentence"),
+    ("lookup", "Lookup drafting (source and output, lossless)", "`--generator lookup`",
+     "", "ours: also drafts the model's repetition loops from its own output"),
 ]
 
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Decode the UA-GEC test set with beam-5, greedy and IAD (stock fairseq-generate through our
-# task), compare IAD's output with greedy, then run the side-by-side benchmark.
+# Decode the UA-GEC test set with beam-5, greedy, IAD and lookup (stock fairseq-generate through
+# our task), compare IAD's and lookup's output with greedy, then run the side-by-side benchmark.
+# lookup drafts from the source like IAD and also from the output itself, which catches a model's
+# repetition loops (docs/results.md, session 10).
 #
 # usage: examples/gec/iad.sh [DATA_BIN] [CHECKPOINT] [OUT_DIR]
 #   defaults: data-prep/ua-gec/bin, checkpoints/gec-cpu/checkpoint_best.pt, results/gec
 #   THREADS (default 2), BENCH_SENTENCES (default: the whole test set), REPEATS (default 3)
 #   DEVICE=cpu (default) or gpu; FP16=1 decodes in float16 on the GPU
-# In float32 IAD must equal greedy on every sentence (a difference is a bug and fails the
+# In float32 IAD and lookup must equal greedy on every sentence (a difference is a bug and fails the
 # script); in float16 a verified block and a one-token step round differently, so the share of
 # identical sentences and where the others first differ are reported instead.
 set -euo pipefail
@@ -32,12 +34,15 @@ decode() {  # name, extra fairseq-generate flags...
 decode beam5 --generator beam --beam 5
 decode greedy --generator greedy
 decode iad --generator iad
+decode lookup --generator lookup
 
-echo -n "iad vs greedy: "
-python "$HERE/examples/compare_hypotheses.py" "$OUT/generate-greedy.txt" "$OUT/generate-iad.txt" $STRICT
+for name in iad lookup; do
+  echo -n "$name vs greedy: "
+  python "$HERE/examples/compare_hypotheses.py" "$OUT/generate-greedy.txt" "$OUT/generate-$name.txt" $STRICT
+done
 
 # CTranslate2 on the same checkpoint, when its extra is installed (pip install -e '.[ct2]')
-GENERATORS=(beam:beam=5 greedy iad)
+GENERATORS=(beam:beam=5 greedy iad lookup)
 python -c "import ctranslate2" 2>/dev/null && GENERATORS+=(ct2 ct2:compute_type=int8)
 python -m fairseq_pardec.benchmark "$DATA" --path "$CKPT" -s src -t tgt \
   --generators "${GENERATORS[@]}" --batch-sizes 1 32 --repeats "${REPEATS:-3}" \
