@@ -158,3 +158,22 @@ def test_sampling_with_lookup_drafts_samples_fairseqs_distribution(setting):
     counts, stats = ours_counts(verifier, d, drafter, sample, 2000, *setting)
     assert chi_square_pvalue(reference, counts) > 1e-3
     assert stats.tokens_per_iteration > 1.0
+
+
+def test_generator_reads_its_task_options(tmp_path):
+    """--generator lookup builds its table from --draft-corpus and takes GAD++'s relaxed rule
+    from --gad-beta/--gad-tau (lossless by default)."""
+    import argparse
+
+    from fairseq_pardec.generators import GENERATORS
+
+    d = make_dictionary(20)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("w1 w2 w3\n", encoding="utf-8")
+    args = argparse.Namespace(beam=1, max_len_a=1.0, max_len_b=5)
+    model = tiny_transformer(make_task(d))
+    plain = GENERATORS["lookup"](make_task(d), [model], args)
+    assert plain.drafter.table is None and plain.acceptance.lossless
+    relaxed = GENERATORS["lookup"](make_task(d, draft_corpus=str(corpus), gad_beta=3, gad_tau=1.0),
+                                   [model], args)
+    assert relaxed.drafter.table.sentences == 1 and not relaxed.acceptance.lossless
