@@ -80,15 +80,39 @@ def test_unsupported_layers_keep_the_module_path():
     assert len(_drive(blocks, model, sample, seed=1)) == 9
 
 
-def test_output_layer_with_transposed_weight():
-    """Several rows: x @ W_t (another kernel, same values up to float rounding); one row:
-    fairseq's own F.linear, bit for bit; a replaced output layer is always honoured."""
+def test_output_layer_through_a_packed_copy():
+    """Any number of rows goes through oneDNN's packed copy of the weight (another kernel than
+    fairseq's F.linear, same values up to float rounding), refreshed when the weight changes;
+    a replaced output layer is always honoured."""
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=23)
     lean, module = LeanBlockDecoder(model.decoder), BlockDecoder(model.decoder)
     x = torch.randn(7, model.decoder.embed_dim)
     with torch.no_grad():
         assert torch.allclose(lean.log_probs(x), module.log_probs(x), rtol=0, atol=1e-5)
-        assert torch.equal(lean.log_probs(x[:1]), module.log_probs(x[:1]))
+        assert torch.allclose(lean.log_probs(x[:1]), module.log_probs(x[:1]), rtol=0, atol=1e-5)
+        model.decoder.output_projection.weight.mul_(2.0)  # in place: the copy must follow
+        assert torch.allclose(lean.log_probs(x), module.log_probs(x), rtol=0, atol=1e-5)
         model.decoder.output_layer = lambda f: torch.zeros(f.shape[:-1] + (len(d),))
         assert torch.equal(lean.log_probs(x), torch.full((7, len(d)), -torch.log(torch.tensor(float(len(d))))))
+
+
+def test_output_projection_without_onednn(monkeypatch):
+    """Where oneDNN's packed linear is missing (or the weight is not float32), the projection
+    runs on a transposed copy: same values up to float rounding."""
+    from fairseq_pardec.generators import output_projection
+
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=24)
+    x = torch.randn(5, model.decoder.embed_dim)
+    with torch.no_grad():
+        expected = model.decoder.output_projection(x)
+        monkeypatch.setattr(output_projection, "_ONEDNN_OK", False)
+        plain = output_projection.OutputProjection(model.decoder.output_projection)
+        assert torch.allclose(plain(x), expected, rtol=0, atol=1e-5)
+        assert not plain._prepared()[1]
+        model.double()
+        wide = output_projection.OutputProjection(model.decoder.output_projection)
+        monkeypatch.setattr(output_projection, "_ONEDNN_OK", None)
+        assert torch.allclose(wide(x.double()), model.decoder.output_projection(x.double()))
+        assert not wide._prepared()[1]

@@ -1,11 +1,15 @@
 """A decoder's output projection for a few rows at a time on the CPU.
 
-For a block of a few rows the CPU BLAS runs ``x @ W.T`` (what ``F.linear`` does) markedly slower
-than ``x @ W_t`` with ``W_t`` a contiguous transposed copy (256 x 8496, 2 threads: 4 rows 1.4 ms
-against 0.6 ms; docs/results.md "Where an iteration's time goes"). :class:`OutputProjection`
-keeps that copy, refreshed when the weight changes. A single row keeps ``F.linear``: fairseq's
-own one-token step, bit for bit. Either way a block's products round as other kernels do
-(methods.md, lossless contract).
+On the CPU the projection onto the vocabulary is the largest product of a decoding step, and
+MKL, which ``F.linear`` calls, is slow at it for the row counts decoding has (1 to 64): one row
+costs 0.9 ms for ddtp-de-en's 8,184 x 256 output embedding when the weight is not in cache, as
+in decoding, and 2 rows 1.2-1.6 ms, 8 rows 1.9-2.2 ms (AMD EPYC, 2 threads). oneDNN with the
+weight packed once into its blocked layout streams it once for all rows: 0.36, 0.44 and 0.59 ms
+(docs/results.md, "A projection that costs the same for 1 and 8 rows"). :class:`OutputProjection`
+keeps that packed copy, refreshed when the weight changes, and falls back to a contiguous
+transposed copy (``x @ W_t``, faster than ``F.linear`` for blocks) where oneDNN cannot run.
+Either way the products round differently from fairseq's ``F.linear`` (by about 1e-6 in
+float32; methods.md, lossless contract).
 """
 
 from typing import Optional
@@ -38,33 +42,70 @@ def plain_output_projection(decoder) -> Optional[torch.nn.Linear]:
     return base_projection(decoder)
 
 
-class OutputProjection:
-    """``logits(features)`` through a contiguous transposed copy of the projection weight.
+_ONEDNN_OK: Optional[bool] = None
 
-    ``projection``: the ``nn.Linear`` from :func:`plain_output_projection`. Rows that are not
-    a 2-D CPU block of >= 2 rows go through the linear layer itself.
+
+def _packs_on_onednn() -> bool:
+    """True when this torch has oneDNN's packed linear and it computes a product correctly
+    (checked once on a small product; a build without it falls back, never fails)."""
+    global _ONEDNN_OK
+    if _ONEDNN_OK is None:
+        try:
+            weight = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
+            rows = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+            _ONEDNN_OK = bool(torch.allclose(out, rows @ weight.t(), atol=1e-4))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _ONEDNN_OK = False
+    return _ONEDNN_OK
+
+
+class OutputProjection:
+    """``logits(features)`` for 2-D CPU features through oneDNN's packed copy of the weight
+    (float32) or a contiguous transposed copy (other dtypes, or no oneDNN); anything else goes
+    through the linear layer itself.
+
+    ``projection``: the ``nn.Linear`` from :func:`plain_output_projection`.
     """
 
     def __init__(self, projection: torch.nn.Linear):
         self.projection = projection
         self._key = None
-        self._weight_t = None
+        self._copy = None
+        self._packed = False
 
-    def weight_t(self) -> Tensor:
+    def _weight(self, weight: Tensor) -> Tensor:
+        """The rows this projection scores (all of them here)."""
+        return weight
+
+    def _prepared(self):
+        """(the weight copy, whether it is oneDNN-packed), rebuilt when the weight changed."""
         weight = self.projection.weight
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
         if self._key != key:
-            self._weight_t = self._transposed(weight.detach())
+            rows = self._weight(weight.detach())
+            self._packed = (rows.device.type == "cpu" and rows.dtype == torch.float32
+                            and _packs_on_onednn())
+            if self._packed:
+                self._copy = torch.ops.mkldnn._reorder_linear_weight(rows.contiguous(), None)
+            else:
+                self._copy = rows.t().contiguous()
             self._key = key
-        return self._weight_t
+        return self._copy, self._packed
 
-    def _transposed(self, weight: Tensor) -> Tensor:
-        return weight.t().contiguous()
+    def _product(self, features: Tensor) -> Tensor:
+        """features (R, d) times the prepared weight: (R, rows of the weight)."""
+        copy, packed = self._prepared()
+        if packed:
+            return torch.ops.mkldnn._linear_pointwise(features, copy, None, "none", [], "")
+        return features @ copy
 
     def __call__(self, features: Tensor) -> Tensor:
-        if features.device.type != "cpu" or features.dim() != 2 or features.size(0) < 2:
+        if (features.device.type != "cpu" or features.dim() != 2
+                or features.dtype != self.projection.weight.dtype):
             return self.projection(features)
-        return features @ self.weight_t()
+        return self._product(features)
 
 
 def frequent_types(dictionary, count: int) -> Tensor:
@@ -91,17 +132,20 @@ class ShortlistProjection(OutputProjection):
         self.ids = ids.to(projection.weight.device)
         self.vocab_size = vocab_size
 
-    def _transposed(self, weight: Tensor) -> Tensor:
+    def _weight(self, weight: Tensor) -> Tensor:
         self.ids = self.ids.to(weight.device)
-        return weight[self.ids].t().contiguous()
+        return weight[self.ids]
 
     def best(self, features: Tensor) -> Tensor:
         """(R, d) -> (R,) the best shortlisted type of each row (no full-vocabulary logits)."""
-        return self.ids[(features @ self.weight_t()).argmax(dim=-1)]
+        return self.ids[self._short(features).argmax(dim=-1)]
+
+    def _short(self, features: Tensor) -> Tensor:
+        return self._product(features)
 
     def __call__(self, features: Tensor) -> Tensor:
         """(R, d) -> (R, V) logits, -inf outside the shortlist."""
-        short = features @ self.weight_t()
+        short = self._short(features)
         out = short.new_full((features.size(0), self.vocab_size), float("-inf"))
         return out.index_copy_(1, self.ids, short)
 
