@@ -1,13 +1,14 @@
 """A decoder's output projection for a few rows at a time on the CPU.
 
 On the CPU the projection onto the vocabulary is the largest product of a decoding step, and
-MKL, which ``F.linear`` calls, is slow at it for the row counts decoding has (1 to 64): one row
-costs 0.9 ms for ddtp-de-en's 8,184 x 256 output embedding when the weight is not in cache, as
-in decoding, and 2 rows 1.2-1.6 ms, 8 rows 1.9-2.2 ms (AMD EPYC, 2 threads). oneDNN with the
-weight packed once into its blocked layout streams it once for all rows: 0.36, 0.44 and 0.59 ms
-(docs/results.md, "A projection that costs the same for 1 and 8 rows"). :class:`OutputProjection`
-keeps that packed copy, refreshed when the weight changes, and falls back to a contiguous
-transposed copy (``x @ W_t``, faster than ``F.linear`` for blocks) where oneDNN cannot run.
+MKL, which ``F.linear`` calls, is slow at it for the row counts decoding has (1 to 64): for
+ddtp-de-en's 8,184 x 256 output embedding, not in cache (as in decoding), one row costs 0.9 ms,
+2 rows 1.2-1.6 ms, 8 rows 1.9-2.2 ms (AMD EPYC, 2 threads). oneDNN with the weight packed once
+into its blocked layout streams it once for all rows: 0.36-0.49, 0.44-0.47 and 0.59-0.67 ms
+(``examples/projection_cost.py``; docs/results.md, "A packed output projection").
+:class:`OutputProjection` keeps that packed copy, refreshed when the weight changes, and falls
+back to a contiguous transposed copy (``x @ W_t``, faster than ``F.linear`` too) where oneDNN
+cannot run.
 Either way the products round differently from fairseq's ``F.linear`` (by about 1e-6 in
 float32; methods.md, lossless contract).
 """
