@@ -139,14 +139,11 @@ class ShortlistProjection(OutputProjection):
 
     def best(self, features: Tensor) -> Tensor:
         """(R, d) -> (R,) the best shortlisted type of each row (no full-vocabulary logits)."""
-        return self.ids[self._short(features).argmax(dim=-1)]
-
-    def _short(self, features: Tensor) -> Tensor:
-        return self._product(features)
+        return self.ids[self._product(features).argmax(dim=-1)]
 
     def __call__(self, features: Tensor) -> Tensor:
         """(R, d) -> (R, V) logits, -inf outside the shortlist."""
-        short = self._short(features)
+        short = self._product(features)
         out = short.new_full((features.size(0), self.vocab_size), float("-inf"))
         return out.index_copy_(1, self.ids, short)
 
