@@ -37,7 +37,9 @@ def test_h1_c1_vanilla_reproduces_fairseq_beam_search(batch_size):
     reference = SequenceGenerator([model], d, beam_size=4, max_len_a=1.0, max_len_b=5)
     with torch.no_grad():
         expected = reference.generate([model], sample)
-    got = search(model, d, beam=4, max_len_a=1.0, max_len_b=5).generate([model], sample)
+    generator = search(model, d, beam=4, max_len_a=1.0, max_len_b=5)
+    assert generator._projection is not None  # the packed vocabulary projection is what runs
+    got = generator.generate([model], sample)
     for e, g in zip(expected, got):
         assert [h["tokens"].tolist() for h in e] == [h["tokens"].tolist() for h in g]
         for he, hg in zip(e, g):

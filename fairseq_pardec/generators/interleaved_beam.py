@@ -22,6 +22,7 @@ import torch
 from .. import ordering
 from ..errors import UsageError
 from .generation_options import build_through_fairseq, sampling_of
+from .output_projection import OutputProjection, plain_output_projection
 from .stats import DecodeStats, StatsGenerator
 
 
@@ -48,6 +49,10 @@ class InterleavedBeamSearch(StatsGenerator):
         self.candidates = candidates
         self.stats = DecodeStats()
         self.symbols_to_strip_from_output = {self.eos}
+        # the vocabulary projection of a step's N x z rows through oneDNN's packed weight on
+        # the CPU (output_projection.py); a decoder with another output layer keeps its own
+        projection = plain_output_projection(model.decoder)
+        self._projection = OutputProjection(projection) if projection is not None else None
 
     unsupported_kwargs = {"constraints": "--constraints", "prefix_tokens": "--prefix-size"}
     name = "interleaved"
@@ -64,6 +69,15 @@ class InterleavedBeamSearch(StatsGenerator):
             chosen = torch.cat([chosen.gather(1, prev.unsqueeze(-1).expand(-1, -1, chosen.size(2))),
                                 words[:, slot].gather(1, new).unsqueeze(-1)], dim=2)
         return scores, chosen
+
+    def _step_logits(self, tokens, encoder_out, state):
+        """(N, z, V) logits of one incremental decoder step."""
+        if self._projection is None:
+            return self.model.decoder(tokens, encoder_out=encoder_out, incremental_state=state)[0]
+        features, _ = self.model.decoder(tokens, encoder_out=encoder_out, incremental_state=state,
+                                         features_only=True)
+        rows = self._projection(features.reshape(-1, features.size(-1)))
+        return rows.view(features.shape[:-1] + rows.shape[-1:])
 
     # ------------------------------------------------------------------ search
     def _generate(self, sample, **unused):
@@ -94,7 +108,7 @@ class InterleavedBeamSearch(StatsGenerator):
 
         for step in range(max_steps):
             width = (step + 1) * z
-            logits, _ = model.decoder(tokens[:, :width], encoder_out=encoder_out, incremental_state=state)
+            logits = self._step_logits(tokens[:, :width], encoder_out, state)
             lprobs = torch.log_softmax(logits.float(), dim=-1)  # (N, z, V)
             self.stats.decoder_calls += 1
             self.stats.row_iterations += sent_ids.numel()
