@@ -73,11 +73,29 @@ def test_engine_equals_fairseq_on_near_ties(batch_size):
     sample = random_batch(d, [3 + (7 * i) % 30 for i in range(batch_size)], seed=5)
     expected = fairseq_greedy(model, d, sample, max_len_a=1.5, max_len_b=20)
     for block_size in (None, 1):  # long copy drafts, and one-token drafts
+        # the lean step: fairseq's own operations, so that the choice rule alone is tested (the
+        # fast step hands these ties to fairseq: test_margin_guard_decides_twin_ties)
         generator = DraftVerifyGenerator(
-            [model], d, CopyDrafter(d, d, block_size), ExactAcceptance(), max_len_a=1.5, max_len_b=20
+            [model], d, CopyDrafter(d, d, block_size), ExactAcceptance(), max_len_a=1.5, max_len_b=20,
+            fast=False,
         )
         got = generator.generate([model], sample)
         assert by_id(sample, got) == by_id(sample, expected)
         for e, o in zip(expected, got):  # cumulative scores rounded as fairseq rounds them
             assert torch.equal(e[0]["score"], o[0]["score"])
             assert torch.equal(e[0]["positional_scores"], o[0]["positional_scores"])
+
+
+def test_margin_guard_decides_twin_ties():
+    """Every twin tie is closer than the fast step's margin: the guard hands each to fairseq's
+    own search, and the tokens are fairseq's."""
+    model, d = twin_vocabulary_model(seed=3)
+    sample = random_batch(d, [4, 11, 7], seed=6)
+    expected = fairseq_greedy(model, d, sample, max_len_a=1.0, max_len_b=6)
+    generator = DraftVerifyGenerator(
+        [model], d, CopyDrafter(d, d), ExactAcceptance(), max_len_a=1.0, max_len_b=6
+    )
+    got = generator.generate([model], sample)
+    assert by_id(sample, got) == by_id(sample, expected)
+    # every token but EOS has a twin 2**-21 below or above it
+    assert generator.stats.close_calls >= generator.stats.target_tokens - len(got)

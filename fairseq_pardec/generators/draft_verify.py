@@ -30,6 +30,8 @@ from ..errors import UsageError
 
 from .beam_one import beam_one_tokens, running_scores
 from .block_layout import BlockLayout
+from .close_calls import close_calls, fairseq_decision
+from .draft_backoff import DraftBackoff
 from .speculative import SamplingFilter, SpeculativeSampler
 from .drafters import pad_drafts
 from .generation_options import build_through_fairseq, sampling_of
@@ -59,6 +61,9 @@ class DraftVerifyGenerator(StatsGenerator):
         compact_holes: float = 0.5,
         lean: bool = True,
         sampler: Optional[SpeculativeSampler] = None,
+        fast: bool = True,
+        margin: Optional[float] = None,
+        backoff: bool = True,
     ):
         if len(models) != 1:
             raise UsageError(
@@ -68,7 +73,12 @@ class DraftVerifyGenerator(StatsGenerator):
         if temperature <= 0:
             raise UsageError("--temperature must be greater than 0")
         self.model = models[0]
-        self.block_decoder = block_decoder_for(self.model.decoder, lean)
+        self.block_decoder = block_decoder_for(self.model.decoder, lean, fast)
+        # The fast step rounds differently from fairseq: with exact acceptance, close calls
+        # are decided with fairseq's arithmetic (close_calls.py)
+        from .fast_step import DEFAULT_MARGIN
+
+        self.margin = DEFAULT_MARGIN if margin is None else margin
         self.tgt_dict = tgt_dict
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.vocab_size = len(tgt_dict)
@@ -84,6 +94,9 @@ class DraftVerifyGenerator(StatsGenerator):
         self.compact_holes = compact_holes
         self.stats = DecodeStats()
         self.symbols_to_strip_from_output = {self.eos}
+        self.src_pad = self.pad
+        # rows whose drafts keep being rejected stop drafting for a while (draft_backoff.py)
+        self.backoff = backoff
         # --sampling: speculative sampling replaces the acceptance rule (speculative.py)
         self.sampler = sampler
         if sampler is not None:
@@ -166,6 +179,7 @@ class DraftVerifyGenerator(StatsGenerator):
         prefix = prefix_tokens
         finalized = [[] for _ in range(bsz)]
         state = blocks.new_state()
+        backoff = DraftBackoff(bsz, device) if self.backoff else None
         iteration = 0  # every active row has gained >= 1 token per iteration: n_out >= iteration
 
         while rows.numel() > 0:
@@ -174,7 +188,9 @@ class DraftVerifyGenerator(StatsGenerator):
             # 1. draft (never past the step where EOS is forced)
             room = max_len - n_out
             t0 = clock() if clock else 0.0
-            draft, draft_len = self.drafter.propose(rows, tokens, n_out, room)
+            draft_room = room if backoff is None else backoff.room(room)
+            draft, draft_len = self.drafter.propose(rows, tokens, n_out, draft_room)
+            drafted = draft_len
             if clock:
                 self.stats.drafter_time += clock() - t0
             q = self.drafter.draft_probs if self.sampler is not None else None
@@ -194,6 +210,7 @@ class DraftVerifyGenerator(StatsGenerator):
                 self.stats.verifier_time += clock() - t0
             self.stats.decoder_calls += 1
             self.stats.row_iterations += b
+            self.stats.positions_verified += lprobs.size(0)
             steps = n_out.unsqueeze(1) + cols
             forced = self._adjust(lprobs, steps, layout, max_len, prefix,
                                   bar_eos_possible=iteration < self.min_len)
@@ -207,18 +224,30 @@ class DraftVerifyGenerator(StatsGenerator):
             before = running_scores(prev, draft_lp).to(device)
             padded_draft = torch.cat([draft, draft.new_full((b, 1), self.pad)], dim=1)
             if self.sampler is None:
-                verifier = beam_one_tokens(lprobs, layout.pack(before))
+                packed_before = layout.pack(before)
+                verifier = beam_one_tokens(lprobs, packed_before)
+                close = None
+                if self._guarded():
+                    close = close_calls(lprobs, packed_before, self.margin)
                 if forced is not None:
                     verifier = torch.where(forced >= 0, forced, verifier)
+                    if close is not None:
+                        close &= forced < 0
                 verifier = verifier[layout.pos.clamp(min=0)]  # (B, L); garbage at padding
                 # 3. accept
                 n_acc = self.acceptance.accept(
                     draft, draft_valid, lprobs[draft_pos] if relaxed else None, verifier[:, :k]
                 )
+                if close is not None and bool(close.any()):
+                    self._decide_close_calls(close[layout.pos.clamp(min=0)] & ~block_pad, n_acc,
+                                             verifier, padded_draft, tokens, n_out, rows, sample,
+                                             bos_token)
             else:
                 n_acc, verifier = self._speculate(
                     lprobs, forced, layout, draft, draft_len, draft_valid, draft_pos, padded_draft, q
                 )
+            if backoff is not None:
+                backoff.update(drafted, n_acc)
             take_draft = cols.unsqueeze(0) < n_acc.unsqueeze(1)
             new_tokens = torch.where(take_draft, padded_draft, verifier)
             gained = n_acc + 1
@@ -256,11 +285,42 @@ class DraftVerifyGenerator(StatsGenerator):
                 rows, tokens, cum_scores, n_out = rows[alive], tokens[alive], cum_scores[alive], n_out[alive]
                 if prefix is not None:
                     prefix = prefix[alive]
+                if backoff is not None:
+                    backoff.keep(alive)
                 if alive.numel() > 0:
                     blocks.reorder(state, alive)
                     encoder_out = model.encoder.reorder_encoder_out(encoder_out, alive)
             blocks.compact(state, self.compact_holes)
         return finalized
+
+    def _guarded(self) -> bool:
+        """Whether this generator's choices must equal fairseq's, from a step that rounds
+        differently (the fast step, with exact acceptance)."""
+        return getattr(self.block_decoder, "fast", False) and self.acceptance.lossless
+
+    def _decide_close_calls(self, close, n_acc, verifier, padded_draft, tokens, n_out, rows,
+                            sample, bos_token):
+        """Rows whose decisions up to their first close call are kept: that position's token is
+        fairseq's own decision, and the row's acceptance ends there (in place: n_acc, verifier).
+
+        close: (B, L) True at block positions whose choice the fast step cannot certify.
+        """
+        b, width = close.shape
+        cols = torch.arange(width, device=close.device)
+        # the positions whose decisions this iteration uses: accepted drafts and the next token,
+        # up to the first EOS among them
+        grid = torch.where(cols.unsqueeze(0) < n_acc.unsqueeze(1), padded_draft, verifier)
+        is_eos = grid.eq(self.eos)
+        first_eos = torch.where(is_eos, cols.unsqueeze(0), width).min(dim=1).values
+        used = cols.unsqueeze(0) <= torch.minimum(n_acc, first_eos).unsqueeze(1)
+        close = close & used
+        src_tokens = sample["net_input"]["src_tokens"]
+        for r in close.any(dim=1).nonzero().view(-1).tolist():
+            at = int(close[r].nonzero()[0])
+            decided = torch.cat([tokens[r, 1: int(n_out[r]) + 1], padded_draft[r, :at]])
+            verifier[r, at] = fairseq_decision(self, src_tokens[rows[r]], decided, bos_token)
+            n_acc[r] = at
+            self.stats.close_calls += 1
 
     def _speculate(self, lprobs, forced, layout, draft, draft_len, draft_valid, draft_pos,
                    padded_draft, q):

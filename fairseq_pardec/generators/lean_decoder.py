@@ -344,9 +344,15 @@ class LeanBlockDecoder(BlockDecoder):
         cache.batch = new_order.numel()
 
 
-def block_decoder_for(decoder, lean: bool = True) -> BlockDecoder:
-    """The lean step where the decoder's layers allow it, else fairseq's modules."""
+def block_decoder_for(decoder, lean: bool = True, fast: bool = False) -> BlockDecoder:
+    """The fast step (``fast``, where it runs: float32 on the CPU), else the lean step where the
+    decoder's layers allow it, else fairseq's modules."""
     check_supported_decoder(decoder)
+    if lean and fast:
+        from .fast_step import FastBlockDecoder, fast_supported
+
+        if fast_supported(decoder):
+            return FastBlockDecoder(decoder)
     if lean and lean_supported(decoder):
         return LeanBlockDecoder(decoder)
     return BlockDecoder(decoder)

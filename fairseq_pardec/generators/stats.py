@@ -31,6 +31,11 @@ class DecodeStats:
     wall_time: float = 0.0
     drafter_time: float = 0.0
     verifier_time: float = 0.0
+    # positions where the fast step could not certify fairseq's choice, decided by fairseq's
+    # arithmetic instead (draft_verify.py, close_calls.py)
+    close_calls: int = 0
+    # block positions the verifier computed: a greedy step verifies one per token
+    positions_verified: int = 0
 
     @property
     def tokens_per_iteration(self) -> float:
@@ -41,7 +46,8 @@ class DecodeStats:
         return self.sentences / self.wall_time if self.wall_time > 0 else 0.0
 
     def reset(self):
-        for name in ("sentences", "target_tokens", "decoder_calls", "row_iterations"):
+        for name in ("sentences", "target_tokens", "decoder_calls", "row_iterations", "close_calls",
+                     "positions_verified"):
             setattr(self, name, 0)
         self.wall_time = 0.0
         self.drafter_time = 0.0
@@ -60,6 +66,7 @@ class DecodeStats:
             f"{self.row_iterations / max(self.sentences, 1):.2f} | mean accepted tokens per "
             f"iteration {self.tokens_per_iteration:.2f} | decode wall time {self.wall_time:.2f}s "
             f"({self.sentences_per_second:.1f} sentences/s)"
+            + (f" | close calls decided by fairseq {self.close_calls}" if self.close_calls else "")
         )
 
 

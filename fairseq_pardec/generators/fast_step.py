@@ -1,0 +1,354 @@
+"""The fast decoder step: a static key/value cache, fused projections, one attention kernel.
+
+:class:`~fairseq_pardec.generators.lean_decoder.LeanBlockDecoder` repeats fairseq's operations in
+fairseq's order, so that its features are bit for bit the module path's. That order costs: the
+cache grows by ``torch.cat`` in every layer of every step (the whole cache is copied each time),
+three separate query/key/value products per layer, the query scaled after its product, attention
+as ``bmm`` / mask / softmax / ``bmm``. :class:`FastBlockDecoder` computes the same function in
+fewer, larger operations:
+
+* the self-attention keys and values live in buffers allocated once per batch, ``(B, heads,
+  capacity, head_dim)`` per layer; a block is written in place at the cache's end, and a rollback
+  only moves the end back (rejected entries are overwritten by the next block);
+* one ``addmm`` per layer produces queries, keys and values together, from a pre-transposed,
+  concatenated weight with the query scaling folded in; every other linear map is one ``addmm``
+  on a pre-transposed weight;
+* attention is ``F.scaled_dot_product_attention`` (a fused kernel), with a mask only where one is
+  needed (a block of several positions, rolled-back holes, a ragged block, padded sources);
+* the encoder's keys and values are projected once per batch.
+
+The result is the same function rounded differently (folded scaling, fused products, another
+softmax kernel): its log-probabilities differ from fairseq's by a few 1e-6 in float32 (measured
+in tests/test_fast_step.py and docs/methods.md). The engine therefore trusts its choice of token
+only where the best candidate leads the runner-up by more than :data:`DEFAULT_MARGIN` and decides
+the rare closer calls with fairseq's own arithmetic (draft_verify.py, "margin guard").
+
+It covers what :func:`~fairseq_pardec.generators.lean_decoder.lean_supported` covers, in float32
+on the CPU; elsewhere the engine uses the lean step.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .block_layout import BlockLayout
+from .lean_decoder import LeanBlockDecoder, lean_supported
+
+# A bound on |fast log-prob - fairseq log-prob| in float32, with a wide safety factor: the largest
+# difference measured on the test models and on trained d256 models is below 2e-5
+# (tests/test_fast_step.py asserts the measured difference stays under a tenth of it).
+DEFAULT_MARGIN = 2e-4
+
+_INITIAL_CAPACITY = 64
+
+
+def fast_supported(decoder) -> bool:
+    """True when :class:`FastBlockDecoder` computes what fairseq's decoder computes."""
+    if not lean_supported(decoder):
+        return False
+    if decoder.quant_noise is not None:
+        return False
+    weight = decoder.embed_tokens.weight
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+class _Layer:
+    """One decoder layer's weights in the layout the fast step multiplies with."""
+
+    def __init__(self, layer):
+        attn, cross = layer.self_attn, layer.encoder_attn
+        self.heads, self.head_dim = attn.num_heads, attn.head_dim
+        self.embed_dim = attn.embed_dim
+        scale = attn.scaling
+        self.qkv_w = torch.cat([attn.q_proj.weight * scale, attn.k_proj.weight,
+                                attn.v_proj.weight]).t().contiguous()
+        self.qkv_b = torch.cat([attn.q_proj.bias * scale, attn.k_proj.bias, attn.v_proj.bias])
+        self.out_w, self.out_b = attn.out_proj.weight.t().contiguous(), attn.out_proj.bias
+        self.cross_heads, self.cross_head_dim = cross.num_heads, cross.head_dim
+        self.cross_q_w = (cross.q_proj.weight * cross.scaling).t().contiguous()
+        self.cross_q_b = cross.q_proj.bias * cross.scaling
+        self.cross_out_w, self.cross_out_b = cross.out_proj.weight.t().contiguous(), cross.out_proj.bias
+        self.cross_k, self.cross_v = cross.k_proj, cross.v_proj
+        self.fc1_w, self.fc1_b = layer.fc1.weight.t().contiguous(), layer.fc1.bias
+        self.fc2_w, self.fc2_b = layer.fc2.weight.t().contiguous(), layer.fc2.bias
+        self.activation = layer.activation_fn
+        self.pre_norm = layer.normalize_before
+        self.norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
+
+
+def _addmm(bias: Optional[Tensor], x: Tensor, weight_t: Tensor) -> Tensor:
+    return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
+
+
+class FastCache:
+    """One batch's decoder state for :class:`FastBlockDecoder`.
+
+    keys/values[i]: (B, heads, capacity, head_dim) buffers of layer i; entries ``[0, length)``
+    are the cache, the rest is scratch. masked: (B, capacity) True for entries a row must not
+    attend to (rolled-back holes, padding of a ragged block), or None while no row has any.
+    enc_keys/enc_values[i]: (B, heads, S, head_dim); enc_attend: (B, 1, 1, S) True where a
+    source position is real, or None without source padding.
+    """
+
+    def __init__(self):
+        self.keys: List[Tensor] = []
+        self.values: List[Tensor] = []
+        self.length = 0
+        self.masked: Optional[Tensor] = None
+        self.enc_keys: List[Tensor] = []
+        self.enc_values: List[Tensor] = []
+        self.enc_attend: Optional[Tensor] = None
+        self.batch = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].size(2) if self.keys else 0
+
+
+class FastBlockDecoder(LeanBlockDecoder):
+    """The draft-and-verify engine's decoder step (same interface as :class:`LeanBlockDecoder`).
+
+    ``exact`` is the step the engine falls back on to decide close calls: fairseq's arithmetic.
+    """
+
+    fast = True
+
+    def __init__(self, decoder):
+        super().__init__(decoder)
+        self._weights_key = None
+        self._layers: List[_Layer] = []
+
+    def new_state(self) -> FastCache:
+        return FastCache()
+
+    def _prepared(self) -> List[_Layer]:
+        """The layers' weights in the fast layout, rebuilt when a parameter changed."""
+        key = tuple((p.data_ptr(), p._version) for p in self.decoder.layers.parameters())
+        if key != self._weights_key:
+            with torch.no_grad():
+                self._layers = [_Layer(layer) for layer in self.layers]
+            self._weights_key = key
+        return self._layers
+
+    # ------------------------------------------------------------------ forward
+    def _start(self, cache: FastCache, encoder_out, bsz: int, device, dtype):
+        enc, enc_pad = None, None
+        if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
+            enc = encoder_out["encoder_out"][0]  # (S, B, C)
+        if encoder_out is not None and len(encoder_out["encoder_padding_mask"]) > 0:
+            enc_pad = encoder_out["encoder_padding_mask"][0]
+        cache.enc_attend = None
+        if enc_pad is not None and bool(enc_pad.any()):
+            cache.enc_attend = (~enc_pad.bool()).view(bsz, 1, 1, -1)
+        for layer in self._prepared():
+            heads, head_dim = layer.cross_heads, layer.cross_head_dim
+            k = layer.cross_k(enc).view(-1, bsz, heads, head_dim).permute(1, 2, 0, 3).contiguous()
+            v = layer.cross_v(enc).view(-1, bsz, heads, head_dim).permute(1, 2, 0, 3).contiguous()
+            cache.enc_keys.append(k)
+            cache.enc_values.append(v)
+            shape = (bsz, layer.heads, _INITIAL_CAPACITY, layer.head_dim)
+            cache.keys.append(torch.zeros(shape, device=device, dtype=dtype))
+            cache.values.append(torch.zeros(shape, device=device, dtype=dtype))
+        cache.batch = bsz
+
+    @staticmethod
+    def _reserve(cache: FastCache, needed: int):
+        """Grow the buffers (doubling) so that ``needed`` entries fit."""
+        capacity = cache.capacity
+        if needed <= capacity:
+            return
+        while capacity < needed:
+            capacity *= 2
+
+        def grow(t: Tensor) -> Tensor:
+            out = t.new_zeros(t.size(0), t.size(1), capacity, t.size(3))
+            out[:, :, : cache.length] = t[:, :, : cache.length]
+            return out
+
+        cache.keys = [grow(k) for k in cache.keys]
+        cache.values = [grow(v) for v in cache.values]
+        if cache.masked is not None:
+            masked = cache.masked.new_zeros(cache.batch, capacity)
+            masked[:, : cache.length] = cache.masked[:, : cache.length]
+            cache.masked = masked
+
+    def _self_mask(self, cache: FastCache, layout: BlockLayout, length: int,
+                   block_mask: Optional[Tensor]) -> Optional[Tensor]:
+        """(B or 1, 1, L, T + L) True where a query may attend, or None for "everything"."""
+        first = cache.length
+        block_pad = layout.block_pad
+        if not layout.dense or cache.masked is not None:
+            if cache.masked is None:
+                cache.masked = block_pad.new_zeros(cache.batch, cache.capacity)
+            cache.masked[:, first: first + length] = block_pad
+        total = first + length
+        device = block_pad.device
+        inside = None
+        if block_mask is not None:
+            inside = block_mask > float("-inf")
+        elif length > 1:
+            inside = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
+        if inside is None and cache.masked is None:
+            return None
+        mask = torch.ones(1, 1, length, total, dtype=torch.bool, device=device)
+        if inside is not None:
+            mask[..., first:] = inside
+        if cache.masked is not None:
+            mask = mask & ~cache.masked[:, :total].view(cache.batch, 1, 1, total)
+        return mask
+
+    def forward_packed(self, tokens, start, layout: BlockLayout, encoder_out, cache: FastCache,
+                       steps: Optional[Tensor] = None, block_mask: Optional[Tensor] = None):
+        """Features (N, d) at the block's real positions, packed as ``layout`` says (see
+        :meth:`LeanBlockDecoder.forward_packed` for ``steps`` and ``block_mask``)."""
+        dec = self.decoder
+        bsz, length = tokens.size()
+        if not cache.keys:
+            self._start(cache, encoder_out, bsz, tokens.device, dec.embed_tokens.weight.dtype)
+        # the weights cannot change within one batch: checked once, when the batch starts
+        layers = self._layers
+        if steps is None:
+            steps = start.unsqueeze(1) + torch.arange(length, device=tokens.device)
+        positions = steps + self.padding_idx + 1
+        if not layout.dense:
+            positions = positions.masked_fill(layout.block_pad, self.padding_idx + 1)
+            tokens = tokens.masked_fill(layout.block_pad, self.padding_idx)
+        x = self.embed(tokens.t(), positions.t())  # (L, B, C): time-major, as the layout packs
+        x = x.reshape(length * bsz, -1)
+        if not layout.dense:
+            x = x.index_select(0, layout.index)
+
+        first = cache.length
+        total = first + length
+        self._reserve(cache, total)
+        mask = self._self_mask(cache, layout, length, block_mask)
+        grid = layout.unpack_time_major
+        for i, layer in enumerate(layers):
+            heads, head_dim = layer.heads, layer.head_dim
+            norm_attn, norm_cross, norm_ffn = layer.norms
+            # self-attention: one product for queries, keys and values
+            residual = x
+            if layer.pre_norm:
+                x = norm_attn(x)
+            qkv = grid(torch.addmm(layer.qkv_b, x, layer.qkv_w)).view(length, bsz, 3, heads, head_dim)
+            cache.keys[i][:, :, first:total] = qkv[:, :, 1].permute(1, 2, 0, 3)
+            cache.values[i][:, :, first:total] = qkv[:, :, 2].permute(1, 2, 0, 3)
+            q = qkv[:, :, 0].permute(1, 2, 0, 3)
+            out = F.scaled_dot_product_attention(
+                q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total],
+                attn_mask=mask, scale=1.0)
+            x = torch.addmm(layer.out_b, self._pack(out, layout), layer.out_w).add_(residual)
+            if not layer.pre_norm:
+                x = norm_attn(x)
+            # encoder attention over keys and values projected once per batch
+            residual = x
+            if layer.pre_norm:
+                x = norm_cross(x)
+            q = grid(torch.addmm(layer.cross_q_b, x, layer.cross_q_w)).view(
+                length, bsz, layer.cross_heads, layer.cross_head_dim).permute(1, 2, 0, 3)
+            out = F.scaled_dot_product_attention(q, cache.enc_keys[i], cache.enc_values[i],
+                                                 attn_mask=cache.enc_attend, scale=1.0)
+            x = torch.addmm(layer.cross_out_b, self._pack(out, layout), layer.cross_out_w).add_(residual)
+            if not layer.pre_norm:
+                x = norm_cross(x)
+            # feed-forward
+            residual = x
+            if layer.pre_norm:
+                x = norm_ffn(x)
+            x = torch.addmm(layer.fc2_b, layer.activation(torch.addmm(layer.fc1_b, x, layer.fc1_w)),
+                            layer.fc2_w).add_(residual)
+            if not layer.pre_norm:
+                x = norm_ffn(x)
+        cache.length = total
+        if dec.layer_norm is not None:
+            x = dec.layer_norm(x)
+        if dec.project_out_dim is not None:
+            x = dec.project_out_dim(x)
+        return x
+
+    @staticmethod
+    def _pack(out: Tensor, layout: BlockLayout) -> Tensor:
+        """(B, heads, L, head_dim) attention output -> (N, heads * head_dim), packed rows."""
+        bsz, heads, length, head_dim = out.shape
+        return layout.pack_time_major(out.permute(2, 0, 1, 3).reshape(length, bsz, heads * head_dim))
+
+    def forward_block(self, tokens, start, block_pad, encoder_out, cache: FastCache):
+        layout = BlockLayout(block_pad)
+        return layout.unpack(self.forward_packed(tokens, start, layout, encoder_out, cache))
+
+    # ------------------------------------------------------------------ cache surgery
+    def cache_length(self, cache: FastCache) -> int:
+        return cache.length
+
+    def valid_mask(self, cache: FastCache) -> Optional[Tensor]:
+        if not cache.keys:
+            return None
+        if cache.masked is None:
+            return torch.ones(cache.batch, cache.length, dtype=torch.bool,
+                              device=cache.keys[0].device)
+        return ~cache.masked[:, : cache.length]
+
+    def rollback(self, cache: FastCache, block_len: int, keep: Tensor):
+        """Of the last ``block_len`` entries keep the first ``keep[b]`` per row: the cache's
+        end moves back to the longest kept row; shorter rows' rejected entries become holes."""
+        first = cache.length - block_len
+        kept_cols = int(keep.max()) if keep.numel() else 0
+        if bool((keep < kept_cols).any()):
+            cols = torch.arange(block_len, device=keep.device)
+            drop = cols.unsqueeze(0) >= keep.unsqueeze(1)
+            if cache.masked is None:
+                cache.masked = drop.new_zeros(cache.batch, cache.capacity)
+            cache.masked[:, first: first + block_len] |= drop
+        cache.length = first + kept_cols
+        if cache.masked is not None and not bool(cache.masked[:, : cache.length].any()):
+            cache.masked = None
+
+    def drop_columns(self, cache: FastCache, first: int, count: int):
+        """Remove entries ``first .. first + count - 1`` of every row (a block-causal drafter's
+        mask slots), moving the later entries forward."""
+        end = cache.length
+        for buffers in (cache.keys, cache.values):
+            for t in buffers:
+                t[:, :, first: end - count] = t[:, :, first + count: end].clone()
+        if cache.masked is not None:
+            cache.masked[:, first: end - count] = cache.masked[:, first + count: end].clone()
+        cache.length = end - count
+        if cache.masked is not None and not bool(cache.masked[:, : cache.length].any()):
+            cache.masked = None
+
+    def compact(self, cache: FastCache, min_holes: float = 0.5):
+        if cache.masked is None:
+            return
+        total = cache.length
+        valid = ~cache.masked[:, :total]
+        counts = valid.sum(1)
+        longest = int(counts.max()) if counts.numel() else 0
+        if total - longest < max(1, min_holes * total):
+            return
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :longest]
+        for buffers in (cache.keys, cache.values):
+            for t in buffers:
+                index = order.view(cache.batch, 1, longest, 1).expand(-1, t.size(1), -1, t.size(3))
+                t[:, :, :longest] = t.gather(2, index)
+        masked = cache.masked[:, :total].gather(1, order)
+        cache.length = longest
+        cache.masked[:, :longest] = masked
+        if not bool(masked.any()):
+            cache.masked = None
+
+    def reorder(self, cache: FastCache, new_order: Tensor):
+        """Keep (and reorder) batch rows; used when finished rows leave the batch."""
+        def pick(t: Tensor) -> Tensor:
+            return t.index_select(0, new_order)
+
+        cache.keys = [pick(k) for k in cache.keys]
+        cache.values = [pick(v) for v in cache.values]
+        cache.enc_keys = [pick(k) for k in cache.enc_keys]
+        cache.enc_values = [pick(v) for v in cache.enc_values]
+        if cache.masked is not None:
+            cache.masked = pick(cache.masked)
+        if cache.enc_attend is not None:
+            cache.enc_attend = pick(cache.enc_attend)
+        cache.batch = new_order.numel()

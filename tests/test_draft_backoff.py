@@ -1,0 +1,56 @@
+"""Drafts that keep being rejected cost next to nothing: rows back off to the plain step.
+
+Cost is counted in verified block positions per accepted token (1.0 for greedy decoding), not
+in time: speed belongs to the benchmark."""
+
+import pytest
+import torch
+
+from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.generators.draft_backoff import DraftBackoff
+
+from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
+
+
+def test_backoff_schedule():
+    """One rejection is tolerated; from the second in a row the waits double up to the longest;
+    an accepted draft ends the back-off."""
+    backoff = DraftBackoff(1, "cpu")
+    room = torch.tensor([10])
+    one, none = torch.tensor([3]), torch.tensor([0])
+    drafted_at = []
+    for iteration in range(60):
+        allowed = int(backoff.room(room))
+        drafted_at.append(allowed)
+        backoff.update(torch.tensor([min(allowed, 3)]), none)
+    tries = [i for i, allowed in enumerate(drafted_at) if allowed > 0]
+    gaps = [b - a - 1 for a, b in zip(tries, tries[1:])]
+    assert gaps[:7] == [0, 1, 2, 4, 8, 16, 16]
+    assert drafted_at[:2] == [10, 10] and all(a <= DraftBackoff.PROBE for a in drafted_at[2:])
+    backoff.update(torch.tensor([0]), none)  # waiting rows that draft nothing only count down
+    while int(backoff.room(room)) == 0:
+        backoff.update(torch.tensor([0]), none)
+    backoff.update(one, one)  # a probe is accepted: full drafts again
+    assert int(backoff.room(room)) == 10
+
+
+@pytest.mark.parametrize("batch_size", [1, 32])
+def test_model_that_never_copies_costs_about_a_greedy_step(batch_size):
+    """An untrained model copies nothing its source offers: with the back-off, iad verifies few
+    positions beyond one per token, and its output stays fairseq's."""
+    d = make_dictionary(50)
+    model = tiny_transformer(make_task(d), seed=2)
+    sample = random_batch(d, [40 + (i * 7) % 40 for i in range(batch_size)], seed=2)
+    expected = fairseq_greedy(model, d, sample, max_len_a=1.2, max_len_b=10)
+    cost = {}
+    for backoff in (False, True):
+        generator = DraftVerifyGenerator([model], d, CopyDrafter(d, d, adaptive=True),
+                                         ExactAcceptance(), max_len_a=1.2, max_len_b=10,
+                                         backoff=backoff)
+        assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
+        stats = generator.stats
+        assert stats.tokens_per_iteration < 1.05  # it does not copy
+        cost[backoff] = stats.positions_verified / stats.target_tokens
+    assert cost[False] > 1.7  # without the back-off the rejected drafts are verified
+    # the first draft has no history to go by (up to 16 positions); the rest are probes
+    assert cost[True] < (1.45 if batch_size == 1 else 1.2)

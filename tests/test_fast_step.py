@@ -1,0 +1,124 @@
+"""The fast decoder step computes fairseq's decoder within a measured bound, and the margin guard
+keeps the engine's outputs equal to fairseq greedy wherever that bound could change a choice."""
+
+import pytest
+import torch
+
+from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.generators.close_calls import close_calls
+from fairseq_pardec.generators.fast_step import DEFAULT_MARGIN, FastBlockDecoder
+from fairseq_pardec.generators.incremental import BlockDecoder
+from fairseq_pardec.generators.lean_decoder import LeanBlockDecoder, block_decoder_for
+
+from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
+from test_lean_decoder import _drive
+
+ARCHITECTURES = [
+    {},
+    {"decoder_normalize_before": True, "encoder_normalize_before": True},
+    {"decoder_learned_pos": True},
+    {"no_scale_embedding": True, "layernorm_embedding": True},
+]
+
+
+def _log_probs(blocks, features):
+    with torch.no_grad():
+        return blocks.log_probs(features.reshape(-1, features.size(-1)))
+
+
+@pytest.mark.parametrize("overrides", ARCHITECTURES)
+@pytest.mark.parametrize("ragged", [False, True])
+def test_fast_log_probs_within_the_guards_bound(overrides, ragged):
+    """Through blocks, rollback holes, compaction and shrinking batches, the fast step's
+    log-probabilities stay within a tenth of the guard's margin of fairseq's module path."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=31, **overrides)
+    sample = random_batch(d, [4, 9, 1, 15, 6, 3, 22, 2], seed=7)
+    fast = block_decoder_for(model.decoder, fast=True)
+    assert isinstance(fast, FastBlockDecoder)
+    module = BlockDecoder(model.decoder)
+    worst = 0.0
+    for x, y in zip(_drive(fast, model, sample, seed=5, ragged=ragged),
+                    _drive(module, model, sample, seed=5, ragged=ragged)):
+        worst = max(worst, float((_log_probs(fast, x) - _log_probs(module, y)).abs().max()))
+    assert worst < DEFAULT_MARGIN / 10
+
+
+def test_rejected_entries_are_overwritten():
+    """A block after a rollback sees exactly the kept entries: its features equal those of a
+    fresh cache fed the kept tokens."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=32)
+    sample = random_batch(d, [7, 12, 3], seed=8)
+    enc = model.encoder.forward_torchscript(sample["net_input"])
+    fast = FastBlockDecoder(model.decoder)
+    g = torch.Generator().manual_seed(0)
+    kept = torch.randint(4, 40, (3, 3), generator=g)
+    rejected = torch.randint(4, 40, (3, 4), generator=g)
+    nxt = torch.randint(4, 40, (3, 2), generator=g)
+    no_pad = torch.zeros(3, 3, dtype=torch.bool)
+    with torch.no_grad():
+        state = fast.new_state()
+        fast.forward_block(kept, torch.zeros(3, dtype=torch.long), no_pad, enc, state)
+        fast.forward_block(rejected, torch.full((3,), 3), torch.zeros(3, 4, dtype=torch.bool), enc, state)
+        fast.rollback(state, 4, torch.zeros(3, dtype=torch.long))
+        assert fast.cache_length(state) == 3
+        after = fast.forward_block(nxt, torch.full((3,), 3), torch.zeros(3, 2, dtype=torch.bool), enc, state)
+        fresh_state = fast.new_state()
+        fast.forward_block(kept, torch.zeros(3, dtype=torch.long), no_pad, enc, fresh_state)
+        fresh = fast.forward_block(nxt, torch.full((3,), 3), torch.zeros(3, 2, dtype=torch.bool), enc,
+                                   fresh_state)
+    assert torch.equal(after, fresh)
+
+
+def test_close_calls():
+    lprobs = torch.log_softmax(torch.tensor([
+        [3.0, 1.0, 0.0],                # a clear lead
+        [1.0, 1.0 - 1e-5, 0.0],         # within the margin
+        [0.0, float("-inf"), float("-inf")],  # one candidate left (EOS forced): never close
+    ]), dim=-1)
+    assert close_calls(lprobs, torch.zeros(3), margin=1e-4).tolist() == [False, True, False]
+    # a large cumulative score widens the slack by the rounding of adding it
+    assert bool(close_calls(lprobs[:1], torch.tensor([-1e8]), margin=1e-4)[0])
+
+
+def _iad(model, d, **kwargs):
+    return DraftVerifyGenerator([model], d, CopyDrafter(d, d), ExactAcceptance(), **kwargs)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+def test_fast_engine_equals_fairseq(batch_size):
+    d = make_dictionary(50)
+    model = tiny_transformer(make_task(d), seed=40 + batch_size)
+    sample = random_batch(d, [1 + (i * 13) % 45 for i in range(batch_size)], seed=batch_size)
+    expected = fairseq_greedy(model, d, sample, max_len_a=1.2, max_len_b=10)
+    generator = _iad(model, d, max_len_a=1.2, max_len_b=10)
+    assert isinstance(generator.block_decoder, FastBlockDecoder)
+    assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
+
+
+def test_guard_hands_every_close_call_to_fairseq(copy_model):
+    """With a margin so wide that most positions are close calls, each is decided by fairseq's
+    own search: outputs stay fairseq's, with length cut-offs and forced prefixes."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model, d, make_sample = copy_model
+    sample = make_sample(4, seed=7)
+    for prefix in (None, sample["target"][:, :2]):
+        for kwargs in ({"max_len_a": 1.0, "max_len_b": 10}, {"max_len_a": 0.0, "max_len_b": 6}):
+            search = SequenceGenerator([model], d, beam_size=1, **kwargs)
+            with torch.no_grad():
+                expected = search.generate([model], sample, prefix_tokens=prefix)
+            generator = _iad(model, d, margin=0.5, **kwargs)
+            got = generator.generate([model], sample, prefix_tokens=prefix)
+            assert by_id(sample, got) == by_id(sample, expected)
+            assert generator.stats.close_calls > 0
+
+
+def test_fast_step_only_where_it_computes_fairseqs_function():
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=33)
+    assert isinstance(block_decoder_for(model.decoder, fast=True), FastBlockDecoder)
+    assert type(block_decoder_for(model.decoder)) is LeanBlockDecoder  # not asked for
+    model.double()
+    assert type(block_decoder_for(model.decoder, fast=True)) is LeanBlockDecoder
