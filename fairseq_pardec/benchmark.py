@@ -295,6 +295,10 @@ def run(args):
     # speedups are relative to the --path model's own greedy and beam rows
     greedy_label = next((s[0] for s in specs if s[1] == "greedy" and "path" not in s[2]), None)
     beam_label = next((s[0] for s in specs if s[1] == "beam" and "path" not in s[2]), None)
+    # CTranslate2's greedy float32 row, the yardstick users convert to
+    ct2_label = next((s[0] for s in specs if s[1] == "ct2" and int(s[2].get("beam", 1)) == 1
+                      and s[2].get("compute_type", "float32") == "float32"), None)
+    steps = []
 
     rows = []
     for batch_size in args.batch_sizes:
@@ -343,11 +347,14 @@ def run(args):
             rows.append(row)
         by_label = {r["generator"]: r for r in rows if r["batch_size"] == batch_size}
         for row in by_label.values():
-            for ref_label, key in ((greedy_label, "speedup_vs_greedy"), (beam_label, "speedup_vs_beam")):
+            for ref_label, key in ((greedy_label, "speedup_vs_greedy"), (beam_label, "speedup_vs_beam"),
+                                   (ct2_label, "speedup_vs_ct2")):
                 if ref_label is not None:
                     row[key] = by_label[ref_label]["wall_time_s"] / row["wall_time_s"]
             if greedy_label is not None:
                 row["iteration_cost"] = iteration_cost(row, by_label[greedy_label])
+        if args.step_table:
+            steps.append(step_row(model, samples[0], by_label.get(ct2_label), args))
 
     meta = {
         "data": os.path.abspath(args.data),
@@ -361,8 +368,20 @@ def run(args):
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "torch": torch.__version__,
+        "steps": steps,
     }
     return meta, rows
+
+
+def step_row(model, sample, ct2_row, args):
+    """One batch size's row of the step table (step_timing.py), on the first batch decoded."""
+    from fairseq_pardec import step_timing
+
+    row = {"batch_size": int(sample["nsentences"]), "prefix": 16}
+    row.update(step_timing.step_costs(model, sample, prefix=row["prefix"]))
+    if ct2_row is not None and ct2_row.get("decoder_calls"):
+        row["ct2_ms_per_step"] = 1000.0 * ct2_row["wall_time_s"] / ct2_row["decoder_calls"]
+    return row
 
 
 def iteration_cost(row, greedy_row):
@@ -390,6 +409,7 @@ COLUMNS = [
     ("latency_ms_per_sentence", "ms/sent", "%.1f"),
     ("speedup_vs_greedy", "x greedy", "%.2f"),
     ("speedup_vs_beam", "x beam", "%.2f"),
+    ("speedup_vs_ct2", "x ct2", "%.2f"),
     ("mean_accepted_tokens", "tokens/iter", "%.2f"),
     ("iteration_cost", "iter cost", "%.2f"),
     ("drafter_share", "drafter", "%.0f%%"),
@@ -465,6 +485,8 @@ def get_parser():
     p.add_argument("-s", "--source-lang", default=None)
     p.add_argument("-t", "--target-lang", default=None)
     p.add_argument("--gen-subset", default="test")
+    p.add_argument("--no-step-table", dest="step_table", action="store_false",
+                   help="skip the table of ms per decoder call by batch and block size")
     p.add_argument("--generators", nargs="+", default=["beam:beam=5", "greedy", "iad"],
                    help="specs name[:key=value,...], e.g. beam:beam=5 greedy iad iad:block_size=10; "
                    "ct2[:beam=N,compute_type=T] decodes with CTranslate2 (pip install -e '.[ct2]')")
@@ -511,6 +533,12 @@ def main(args):
         logging.getLogger(name).setLevel(logging.WARNING)
     meta, rows = run(args)
     table = markdown(meta, rows)
+    if meta["steps"]:
+        from fairseq_pardec import step_timing
+
+        table += "\n" + step_timing.markdown(
+            meta["steps"], {r["batch_size"]: r["ct2_ms_per_step"] for r in meta["steps"]
+                            if "ct2_ms_per_step" in r})
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
         f.write(table)

@@ -11,11 +11,15 @@ padded source length of the batch, and EOS barred at the first step (fairseq's `
 
 import hashlib
 import os
+import pickle
+import subprocess
+import sys
+import weakref
 
 import torch
 
 from .errors import UsageError
-from .generators.stats import DecodeStats, count_hypotheses, timed
+from .generators.stats import DecodeStats, count_hypotheses
 
 INSTALL_HINT = (
     "the ct2 generator needs CTranslate2: pip install -e '.[ct2]' (or pip install ctranslate2)"
@@ -70,27 +74,44 @@ def convert(model, checkpoint, data_dir, cache_root, source_lang=None, target_la
 
 
 class CTranslate2Generator:
-    """fairseq's generator interface over a ``ctranslate2.Translator``.
+    """fairseq's generator interface over a ``ctranslate2.Translator`` in a process of its own
+    (ctranslate2_worker.py): the same sentences, batches and threads, without torch's thread pool
+    on the same cores.
 
-    Times ``translate_batch`` only: turning ids into the token strings CTranslate2 takes, and
-    back, is batching work that the other rows do not pay either.
+    Times ``translate_batch`` only, inside the worker: turning ids into the token strings
+    CTranslate2 takes, and back, and passing them between processes, is batching work that the
+    other rows do not pay either.
     """
 
     def __init__(self, model_dir, src_dict, tgt_dict, beam=1, compute_type="default",
                  threads=1, device="cpu", max_len_a=0.0, max_len_b=200, max_positions=1024):
-        ctranslate2 = import_ctranslate2()
-        try:
-            self.translator = ctranslate2.Translator(
-                model_dir, device=device, compute_type=compute_type, inter_threads=1,
-                intra_threads=threads,
-            )
-        except ValueError as error:  # e.g. a compute type this machine does not have
-            raise UsageError("ct2: %s (option compute_type)" % str(error).splitlines()[0])
+        import_ctranslate2()  # the install hint here, rather than from the worker
+        self._worker = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                          "ctranslate2_worker.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )
+        weakref.finalize(self, _stop, self._worker)
+        self._request({"model_dir": model_dir, "device": device, "compute_type": compute_type,
+                       "threads": threads}, "option compute_type")
         self.src_dict, self.tgt_dict = src_dict, tgt_dict
         self.beam = beam
         self.max_len_a, self.max_len_b, self.max_positions = max_len_a, max_len_b, max_positions
         self.stats = DecodeStats()
         self._skip = {src_dict.pad(), src_dict.eos()}  # CTranslate2 appends the source EOS itself
+
+    def _request(self, message, what):
+        """Send one message to the worker; its answer's payload, or a UsageError."""
+        try:
+            pickle.dump(message, self._worker.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self._worker.stdin.flush()
+            kind, payload = pickle.load(self._worker.stdout)
+        except (EOFError, BrokenPipeError, pickle.UnpicklingError):
+            raise UsageError("ct2: the CTranslate2 worker process ended (exit code %s)"
+                             % self._worker.poll()) from None
+        if kind == "error":
+            raise UsageError("ct2: %s (%s)" % (payload, what))
+        return payload
 
     def _source_symbols(self, ids):
         return [self.src_dict[i] for i in ids if i not in self._skip]
@@ -105,15 +126,23 @@ class CTranslate2Generator:
         src_len = src_tokens.size(1)
         max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_positions - 1)
         sources = [self._source_symbols(row) for row in src_tokens.tolist()]
-        with timed(self.stats, torch.device("cpu")):
-            results = self.translator.translate_batch(
-                sources, beam_size=self.beam, max_decoding_length=max_len,
-                min_decoding_length=1, max_batch_size=0,
-            )
-        hypos = [[{"tokens": self._target_ids(r.hypotheses[0])}] for r in results]
+        options = dict(beam_size=self.beam, max_decoding_length=max_len, min_decoding_length=1,
+                       max_batch_size=0)
+        best, seconds = self._request((sources, options), "translate_batch")
+        self.stats.wall_time += seconds
+        hypos = [[{"tokens": self._target_ids(symbols)}] for symbols in best]
         count_hypotheses(self.stats, hypos)
         # one token per decoding step: a sentence takes part in as many steps as it has tokens
         steps = max(len(h[0]["tokens"]) for h in hypos)
         self.stats.decoder_calls += steps
         self.stats.row_iterations += sum(len(h[0]["tokens"]) for h in hypos)
         return hypos
+
+
+def _stop(worker):
+    """End the worker: closing its input ends its loop; kill it if it does not."""
+    try:
+        worker.stdin.close()
+        worker.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        worker.kill()

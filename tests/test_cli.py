@@ -278,13 +278,23 @@ def test_benchmark_ctranslate2_rows(cli_data, stock_checkpoint, tmp_path):
             "--max-len-b", 12, "--no-progress", "--out-dir", out]
     run("fairseq_pardec.benchmark", *args, "--generators", "greedy", "ct2",
         "ct2:compute_type=int8", "ct2:beam=2")
-    rows = {(r["generator"], r["batch_size"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
+    result = json.loads((out / "results.json").read_text())
+    rows = {(r["generator"], r["batch_size"]): r for r in result["rows"]}
     assert set(rows) == {(g, b) for g in ("greedy", "ct2", "ct2(compute_type=int8)", "ct2(beam=2)")
                          for b in (1, 5)}
     for b in (1, 5):
         assert rows[("ct2", b)]["sentences"] == 12
         assert rows[("ct2", b)]["identical_to_greedy"] == 1.0
         assert rows[("ct2", b)]["mean_batch_size"] == (1.0 if b == 1 else 4.0)
+        assert rows[("ct2", b)]["speedup_vs_ct2"] == 1.0  # the float32 greedy row is the yardstick
+        assert rows[("greedy", b)]["speedup_vs_ct2"] > 0
+    # the step table: one row per batch decoded, CTranslate2's ms per step beside ours
+    steps = {s["batch_size"]: s for s in result["meta"]["steps"]}
+    assert set(steps) == {1, 5}
+    for step in steps.values():
+        assert step["engine"] == "FastBlockDecoder"
+        assert all(step[key] > 0 for key in ("fairseq", "lean", "block 1", "block 16", "ct2_ms_per_step"))
+    assert "| ct2 step |" in (out / "results.md").read_text()
     assert len(list((out / "ct2-cache").iterdir())) == 1  # one conversion for three rows
     for bad, needle in (("ct2:lenpen=2", "lenpen"), ("ct2:compute_type=float99", "compute_type")):
         proc = run("fairseq_pardec.benchmark", *args, "--generators", "greedy", bad, check=False)
