@@ -119,16 +119,18 @@ class DraftVerifyGenerator(StatsGenerator):
             lprobs.masked_fill_(at_max.unsqueeze(-1), -math.inf)
             lprobs[:, self.eos] = torch.where(at_max, eos_lp, lprobs[:, self.eos])
         forced = None
-        in_prefix = None
+        prefix_step = None
         if prefix is not None and prefix.size(1) > 0:
-            in_prefix = (steps < prefix.size(1)) & ~at_max_grid
+            # fairseq treats a step below the prefix width as a prefix step for every row, a
+            # row whose shorter prefix is padding there included (nothing forced, no EOS bar)
+            prefix_step = (steps < prefix.size(1)) & ~at_max_grid
             prefix_tok = prefix.gather(1, steps.clamp(max=prefix.size(1) - 1))
-            in_prefix &= prefix_tok.ne(self.pad)
+            in_prefix = prefix_step & prefix_tok.ne(self.pad)
             forced = layout.pack(torch.where(in_prefix, prefix_tok, torch.full_like(steps, -1)))
         if bar_eos_possible:
             bar_eos = steps < self.min_len
-            if in_prefix is not None:
-                bar_eos &= ~in_prefix
+            if prefix_step is not None:
+                bar_eos &= ~prefix_step
             if bool(bar_eos.any()):
                 lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(layout.pack(bar_eos), -math.inf)
         return forced
