@@ -238,7 +238,12 @@ class TranslationPardecTask(TranslationTask):
 
     # ------------------------------------------------------------------ batching
     def get_batch_iterator(self, dataset, *args, **kwargs):
-        _keep_tail_batch(dataset)
+        # fairseq's Trainer asks for its train and valid iterators with skip_remainder_batch
+        # (positional or keyword): their batches stay fairseq's, every one a multiple of
+        # --required-batch-size-multiple; the iterators of decoding (fairseq-generate,
+        # -validate, -interactive, library callers) keep the tail batch
+        training = "skip_remainder_batch" in kwargs or len(args) >= _SKIP_REMAINDER_POSITION
+        _keep_tail_batch(dataset, keep=not training)
         return super().get_batch_iterator(dataset, *args, **kwargs)
 
     # ------------------------------------------------------------------ generators
@@ -278,13 +283,23 @@ class TranslationPardecTask(TranslationTask):
         return generator
 
 
-def _keep_tail_batch(dataset):
-    """Make ``dataset.batch_by_size`` keep the last, smaller batch.
+# positional arguments after dataset up to and including FairseqTask.get_batch_iterator's
+# skip_remainder_batch
+_SKIP_REMAINDER_POSITION = 13
+
+
+def _keep_tail_batch(dataset, keep=True):
+    """Make ``dataset.batch_by_size`` keep the last, smaller batch (``keep``), or undo that.
 
     fairseq main's ``data_utils.batch_by_size`` drops the final batch when its size is not a
     multiple of ``--required-batch-size-multiple`` (upstream issues #5036, #5351), which silently
     loses test sentences. We let fairseq batch as usual and append whatever it left out.
     """
+    if not keep:
+        if getattr(dataset, "_pardec_keeps_tail", False):  # a dataset decoded before
+            del dataset.batch_by_size  # the class's method again
+            dataset._pardec_keeps_tail = False
+        return
     if getattr(dataset, "_pardec_keeps_tail", False):
         return
     original = dataset.batch_by_size
