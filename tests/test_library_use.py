@@ -1,5 +1,6 @@
 """The plugin used as a library: training batches, generator arguments, memory, process state."""
 
+import pytest
 import torch
 from fairseq.data import LanguagePairDataset
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
@@ -41,3 +42,38 @@ def test_training_batches_are_fairseqs():
     positional = ours.get_batch_iterator(_dataset(d), None, 8, None, False, 8, 1, 1, 0, 0, 1, 0,
                                          True, False)
     assert [list(map(int, b)) for b in positional.frozen_batches] == want
+
+
+def _generation_args(**overrides):
+    from argparse import Namespace
+    from dataclasses import asdict
+
+    from fairseq.dataclass.configs import GenerationConfig
+
+    return Namespace(**dict(asdict(GenerationConfig()), beam=1, **overrides))
+
+
+@pytest.mark.parametrize("name", ["iad", "lean_greedy"])
+def test_sequence_generator_arguments_are_honoured_or_refused_by_name(name):
+    from fairseq_pardec.errors import UsageError
+
+    from helpers import tiny_transformer
+
+    d = make_dictionary(20)
+    task = make_task(d, generator=name)
+    model = tiny_transformer(task)
+    # fairseq's SequenceGenerator arguments: the output symbols are set as it sets them ...
+    generator = task.build_generator([model], _generation_args(), extra_gen_cls_kwargs=dict(
+        eos=d.eos(), symbols_to_strip_from_output={d.unk()}))
+    assert generator.eos == d.eos()
+    assert generator.symbols_to_strip_from_output == {d.unk(), d.eos()}
+    generator = task.build_generator([model], _generation_args(),
+                                     extra_gen_cls_kwargs=dict(tokens_to_suppress=()))
+    assert generator.symbols_to_strip_from_output == {d.eos()}
+    # ... what the engine cannot do is refused in a ValueError that names it
+    with pytest.raises(UsageError, match="tokens_to_suppress"):
+        task.build_generator([model], _generation_args(),
+                             extra_gen_cls_kwargs=dict(tokens_to_suppress=["w3"]))
+    with pytest.raises(UsageError, match="no_such_argument"):
+        task.build_generator([model], _generation_args(),
+                             extra_gen_cls_kwargs=dict(no_such_argument=1))

@@ -32,7 +32,8 @@ from .beam_one import beam_one_tokens, running_scores
 from .block_layout import BlockLayout
 from .speculative import SamplingFilter, SpeculativeSampler
 from .drafters import pad_drafts
-from .generation_options import build_through_fairseq, sampling_of
+from .generation_options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
+                                 set_output_symbols)
 from .lean_decoder import block_decoder_for
 from .stats import DecodeStats, StatsGenerator
 
@@ -352,11 +353,15 @@ def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None,
 
 
 def _from_fairseq(models, tgt_dict, *, search_strategy, drafter, acceptance, seed=None,
-                  beam_size=1, match_source_len=False, no_repeat_ngram_size=0, **mapped):
+                  beam_size=1, match_source_len=False, no_repeat_ngram_size=0, eos=None,
+                  symbols_to_strip_from_output=None, tokens_to_suppress=(), **mapped):
     """fairseq's generator arguments -> DraftVerifyGenerator (beam 1; the rest was refused)."""
+    refuse_unknown_arguments(DraftVerifyGenerator, mapped, tokens_to_suppress)
     sampler = None
     sampling = sampling_of(search_strategy)
     if sampling is not None:
         sampler = SpeculativeSampler(SamplingFilter(*sampling),
                                      seed if seed is not None else torch.initial_seed())
-    return DraftVerifyGenerator(models, tgt_dict, drafter, acceptance, sampler=sampler, **mapped)
+    return set_output_symbols(
+        DraftVerifyGenerator(models, tgt_dict, drafter, acceptance, sampler=sampler, **mapped),
+        eos, symbols_to_strip_from_output)
