@@ -19,7 +19,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from ..errors import UsageError
+from ..errors import UsageError, running_a_cli
 from ..generators import GENERATORS
 from ..generators.fairseq_search import use_beam_one
 from ..generators.generation_options import GREEDY_ONLY, refuse
@@ -157,16 +157,17 @@ class _SummaryReporter:
     """
 
     def __init__(self):
-        self.generators = []
+        self.stats = []
         atexit.register(self.report)
 
     def add(self, name, generator):
-        self.generators.append((name, generator))
+        # the statistics only: holding the generator would keep its models alive
+        self.stats.append((name, generator.stats))
 
     def report(self):
-        for name, generator in self.generators:
-            if generator.stats.sentences:
-                logger.info(generator.stats.summary_line(name))
+        for name, stats in self.stats:
+            if stats.sentences:
+                logger.info(stats.summary_line(name))
 
 
 _reporter = None
@@ -176,8 +177,9 @@ _reporter = None
 class TranslationPardecTask(TranslationTask):
     """Translation with fairseq_pardec's generators (``--generator``).
 
-    ``report_summary``: log each generator's statistics when the process ends (the CLIs'
-    summary line); a caller that reports by itself (the benchmark) turns it off.
+    ``report_summary``: on fairseq's command lines, log each generator's statistics when the
+    process ends (the CLIs' summary line); a caller that reports by itself (the benchmark)
+    turns it off.
     """
 
     cfg: TranslationPardecConfig
@@ -258,6 +260,10 @@ class TranslationPardecTask(TranslationTask):
         asked = name = str(self.cfg.generator)
         if models and hasattr(models[0], "words_per_step") and name in ("beam", "greedy"):
             name = "interleaved"  # ibdecoder models emit several words per step
+        if seq_gen_cls is not None and asked != "beam":
+            raise UsageError("--generator %s cannot build the generator class %s that the "
+                             "caller asks for (seq_gen_cls); drop --generator or seq_gen_cls"
+                             % (asked, getattr(seq_gen_cls, "__name__", seq_gen_cls)))
         if getattr(args, "score_reference", False) or seq_gen_cls is not None:
             # Scoring and callers that bring their own generator class get fairseq's path.
             return super().build_generator(
@@ -267,7 +273,7 @@ class TranslationPardecTask(TranslationTask):
             refuse(each, self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
                    explicit_beam=self.cfg.explicit_beam)
         if asked in GREEDY_ONLY:
-            use_beam_one(args)
+            args = use_beam_one(args)
         generator = GENERATORS[name](
             self,
             models,
@@ -275,7 +281,7 @@ class TranslationPardecTask(TranslationTask):
             extra_gen_cls_kwargs=extra_gen_cls_kwargs,
             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
         )
-        if self.report_summary:
+        if self.report_summary and running_a_cli():  # a library caller reads generator.stats
             global _reporter
             if _reporter is None:
                 _reporter = _SummaryReporter()
