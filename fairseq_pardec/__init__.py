@@ -2,9 +2,13 @@
 
 from . import compat  # noqa: F401  (first: safe checkpoint loading on torch >= 2.6)
 from . import cli_checks
-from .errors import install_cli_boundary
+from .errors import install_cli_boundary, running_a_cli
 
-install_cli_boundary()  # fairseq's CLIs print our errors (and a few of fairseq's) as one line
+# What the command lines need changes process-wide state (the exception hook, the root
+# logger's level): done for fairseq's (and our) command lines only, so importing the plugin
+# leaves a library user's process as it was.
+if running_a_cli():
+    install_cli_boundary()  # fairseq's CLIs print our errors (and a few of fairseq's) as one line
 
 from . import criterions  # noqa: F401,E402
 from . import generators  # noqa: F401,E402
@@ -13,6 +17,7 @@ from . import tasks  # noqa: F401,E402
 
 cli_checks.check_argv()  # our task's flags without --task translation_pardec
 
-compat.restore_log_level()  # after the imports above have imported fairseq
+if running_a_cli():
+    compat.restore_log_level()  # after the imports above have imported fairseq
 
 __version__ = "0.1.0"

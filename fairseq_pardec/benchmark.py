@@ -107,7 +107,9 @@ def load_model(task, path, args, use_cuda):
         raise UsageError("checkpoint %r does not exist (--path or path= of a generator)" % path)
     try:
         models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
-    except RuntimeError as e:  # size mismatch of embeddings/projection: another vocabulary
+    except RuntimeError as e:
+        if "size mismatch" not in str(e):  # not another vocabulary: a real failure, as it is
+            raise
         raise UsageError("cannot load %r with the dictionaries of %s (%s); every "
                          "path= checkpoint must use the data's dictionaries" % (path, args.data, str(e).splitlines()[0]))
     model = models[0]
@@ -524,6 +526,9 @@ def main(args):
     if not os.path.isfile(args.path):
         raise UsageError("checkpoint %r does not exist (--path)" % args.path)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from .compat import restore_log_level
+
+    restore_log_level()  # also when run as python -m, which importing the plugin leaves alone
     # fairseq and hydra log every dataset load and deprecation: keep the report readable
     import warnings
 

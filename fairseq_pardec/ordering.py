@@ -99,17 +99,18 @@ def interleave_indices(n: int, h: int, c: int) -> Tuple[int, ...]:
 
 
 @lru_cache(maxsize=256)
-def _index_table(max_n: int, h: int, c: int, device: str) -> torch.Tensor:
+def _index_table(max_n: int, h: int, c: int) -> torch.Tensor:
     """(max_n + 1, W) slot -> word index for every length up to max_n; -2 past a row's end.
 
-    The interleaved length grows with n, so row max_n is the widest. Cached per device, so a
-    training step gathers with one lookup on the device: no per-row host work.
+    The interleaved length grows with n, so row max_n is the widest. Cached on the host (a
+    cache of device tensors would hold device memory for good); a training step copies the
+    small table to its device and gathers with one lookup there: no per-row host work.
     """
     tables = [interleave_indices(n, h, c) for n in range(max_n + 1)]
     index = torch.full((max_n + 1, len(tables[-1])), -2, dtype=torch.long)
     for n, table in enumerate(tables):
         index[n, : len(table)] = torch.tensor(table, dtype=torch.long)
-    return index.to(device)
+    return index
 
 
 def interleave(tokens: torch.Tensor, lengths: torch.Tensor, h: int, c: int, eos: int, pad: int):
@@ -119,7 +120,7 @@ def interleave(tokens: torch.Tensor, lengths: torch.Tensor, h: int, c: int, eos:
     One gather over a per-length index table: no per-token or per-row Python work.
     """
     max_n = int(lengths.max()) if lengths.numel() else 0
-    table = _index_table(max_n, h, c, str(tokens.device))
+    table = _index_table(max_n, h, c).to(tokens.device)
     index = table[lengths.to(table.device, torch.long)]
     gathered = tokens.gather(1, index.clamp(min=0)) if tokens.size(1) else index.clamp(min=0)
     out = torch.where(index >= 0, gathered, torch.full_like(gathered, eos))

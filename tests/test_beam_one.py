@@ -99,3 +99,43 @@ def test_margin_guard_decides_twin_ties():
     assert by_id(sample, got) == by_id(sample, expected)
     # every token but EOS has a twin 2**-21 below or above it
     assert generator.stats.close_calls >= generator.stats.target_tokens - len(got)
+
+
+def _exact_ties(bsz, vocab, device, seed):
+    """(bsz, vocab) log-probs whose every row has 2-4 exactly equal maxima at random places,
+    and cumulative scores that keep them equal (multiples of 1/4)."""
+    g = torch.Generator().manual_seed(seed)
+    lprobs = -4 - 4 * torch.rand(bsz, vocab, generator=g)
+    for row in range(bsz):
+        at = torch.randperm(vocab, generator=g)[: 2 + row % 3]
+        lprobs[row, at] = -1.0
+    score = -torch.randint(0, 40, (bsz,), generator=g).float() / 4
+    return lprobs.to(device), score.to(device)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [40, 30000])
+def test_exact_ties_choose_as_fairseq_whatever_the_rows(device, vocab):
+    """Exact ties: fairseq's beam-1 step over its (bsz, V) batch picks what the engine picks for
+    the same row in any block, alone or among other tied rows (batch sizes cross the CUDA
+    kernels' row-count thresholds: 1, 10, 20, 21, 200)."""
+    d = make_dictionary(vocab - 4)
+    search = BeamSearch(d)
+    for bsz in (1, 10, 20, 21, 200):
+        lprobs, score = _exact_ties(bsz, vocab, device, seed=bsz)
+        _, fairseq_tokens, _ = search.step(1, lprobs.view(bsz, 1, vocab).clone(),
+                                           score.view(bsz, 1, 1))
+        want = fairseq_tokens[:, 0]
+        assert torch.equal(beam_one_tokens(lprobs, score), want)  # every row tied at once
+        alone = torch.cat([beam_one_tokens(lprobs[r: r + 1], score[r: r + 1])
+                           for r in range(bsz)])
+        assert torch.equal(alone, want)
+        # as blocks: (B, L, V) with the tied rows at other places, among untied positions
+        untied = torch.full_like(lprobs, -9.0)
+        untied[:, 0] = -0.5
+        grid = torch.stack([untied, lprobs], 1)  # (bsz, 2, V)
+        scores = torch.stack([score, score], 1)
+        assert torch.equal(beam_one_tokens(grid, scores)[:, 1], want)

@@ -148,3 +148,28 @@ def test_adaptive_draft_caps_are_lossless(copy_model, batch_size):
         drafter = CopyDrafter(d, d, cap, adaptive=True)
         generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), max_len_a=1.0, max_len_b=10)
         assert_same(sample, expected, generator.generate([model], sample))
+
+
+def test_ragged_prefix_with_min_len(copy_model):
+    """fairseq skips the --min-len EOS bar for the whole step while the step is inside the
+    prefix width, also for rows whose (shorter) prefix is padding there."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model, d, _ = copy_model
+    g = torch.Generator().manual_seed(11)
+    sources = [torch.randint(d.nspecial, len(d), (n,), generator=g) for n in (1, 2, 1, 6, 2, 9)]
+    sample = collate(d, [torch.cat([s, torch.tensor([d.eos()])]) for s in sources])
+    prefix = torch.full((len(sources), 3), d.pad())
+    for row, source in enumerate(sources):  # ragged: 1, 2 or 3 tokens of the source
+        width = 1 + row % 3
+        prefix[row, : min(width, len(source))] = source[:width]
+    prefix = prefix[sample["id"]]  # the sample is sorted by length
+    options = dict(max_len_a=1.0, max_len_b=6, min_len=4)
+    reference = SequenceGenerator([model], d, beam_size=1, **options)
+    with torch.no_grad():
+        expected = reference.generate([model], sample, prefix_tokens=prefix)
+    assert any(len(h[0]["tokens"]) - 1 < 4 for h in expected)  # the bar was skipped somewhere
+    for block_size in (None, 1):
+        got = iad(model, d, d, block_size=block_size, **options).generate(
+            [model], sample, prefix_tokens=prefix)
+        assert_same(sample, expected, got)

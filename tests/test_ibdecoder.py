@@ -14,11 +14,11 @@ from fairseq_pardec.models.ibdecoder import IBDecoderModel
 from helpers import collate, make_dictionary, make_task, random_batch, tiny_args, tiny_transformer
 
 
-def ib_model(task, h=2, c=1, positions="signed", seed=0, **overrides):
+def ib_model(task, h=2, c=1, positions="signed", seed=0, vanilla_mask=False, **overrides):
     torch.manual_seed(seed)
     args = tiny_args(**overrides)
     args.ib_directions, args.ib_words_per_direction = h, c
-    args.ib_positions, args.ib_vanilla_mask = positions, False
+    args.ib_positions, args.ib_vanilla_mask = positions, vanilla_mask
     model = IBDecoderModel.build_model(args, task)
     model.eval()
     return model
@@ -53,6 +53,29 @@ def test_no_extra_parameters_for_ibdecoder_but_direction_embeddings_for_imdecode
     base = sum(p.numel() for p in tiny_transformer(task).parameters())
     assert sum(p.numel() for p in ib_model(task, h=2, c=2).parameters()) == base
     assert sum(p.numel() for p in ib_model(task, h=4, c=1).parameters()) == base + 4 * 32
+
+
+@pytest.mark.parametrize("vanilla_mask", [False, True])
+@pytest.mark.parametrize("h,c,positions", [(2, 1, "signed"), (2, 2, "signed"), (4, 1, "signed"),
+                                           (1, 2, "vanilla"), (2, 1, "learned"), (1, 1, "vanilla")])
+def test_step_by_step_decoding_equals_the_training_forward(h, c, positions, vanilla_mask):
+    """Decoding z slots per incremental step sees what training saw: the same mask rows
+    (M(h, c), or M(1, 1) with --ib-vanilla-mask) over the same prefix."""
+    d = make_dictionary(30)
+    model = ib_model(make_task(d), h=h, c=c, positions=positions, seed=3, vanilla_mask=vanilla_mask)
+    z, steps = h * c, 5
+    g = torch.Generator().manual_seed(0)
+    inputs = torch.randint(d.nspecial, len(d), (3, steps * z), generator=g)
+    inputs[:, :z] = d.eos()  # the z start symbols
+    net_input = random_batch(d, [4, 7, 2], seed=2)["net_input"]
+    encoder_out = model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
+    with torch.no_grad():
+        full = model.decoder(inputs, encoder_out=encoder_out)[0]
+        state, parts = {}, []
+        for step in range(steps):
+            parts.append(model.decoder(inputs[:, : (step + 1) * z], encoder_out=encoder_out,
+                                       incremental_state=state)[0])
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
 
 
 def test_training_layout_and_mask():

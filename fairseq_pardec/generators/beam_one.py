@@ -47,6 +47,15 @@ def beam_one_tokens(lprobs: Tensor, scores_before: Tensor) -> Tensor:
     after the addition it is fairseq's choice, whatever ``topk``'s order among equal values; only
     positions where the addition ties them (or they were equal) redo fairseq's exact operation.
     That spares a (B, L, V) addition per iteration.
+
+    Among exactly equal maxima fairseq continues with whichever ``topk`` lists first, and that
+    order is the kernel's: on the CPU a loop per row (heap or selection by V and k, the row's
+    values alone decide); on CUDA a radix select that gathers equal values in index order, then
+    a sorting network over the k results, per row too, except where torch sorts whole rows
+    instead (ROCm, and CUDA builds that sort when there are at most 10 rows of 100k columns or
+    more). So each tied row is redone alone, as a (1, V) ``topk``: the engine's choice depends on
+    the row's scores only, never on how many rows tie in the same block, and it is fairseq's
+    wherever fairseq's own choice does not depend on its batch size either.
     """
     k = min(2, lprobs.size(-1) - 1)
     top = lprobs.topk(k, dim=-1)
@@ -57,5 +66,6 @@ def beam_one_tokens(lprobs: Tensor, scores_before: Tensor) -> Tensor:
     if not bool(ahead.all()):
         tied = (~ahead).nonzero(as_tuple=True)
         candidates = lprobs[tied] + scores_before[tied].unsqueeze(-1)
-        tokens[tied] = candidates.topk(k, dim=-1).indices[..., 0]
+        tokens[tied] = torch.cat([candidates[i: i + 1].topk(k, dim=-1).indices[:, 0]
+                                  for i in range(candidates.size(0))])
     return tokens

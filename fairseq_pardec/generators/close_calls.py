@@ -50,7 +50,7 @@ def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
         [generator.model], generator.tgt_dict, beam_size=1, max_len_a=0,
         max_len_b=decided.numel() + 1, max_len=generator.max_len, min_len=generator.min_len,
         normalize_scores=generator.normalize_scores, len_penalty=generator.len_penalty,
-        unk_penalty=generator.unk_penalty, temperature=generator.temperature,
+        unk_penalty=generator.unk_penalty, temperature=generator.temperature, eos=generator.eos,
     )
     sample = {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([src.size(1)])}}
     prefix = decided.unsqueeze(0) if decided.numel() else None

@@ -34,7 +34,8 @@ from .close_calls import close_calls, fairseq_decision
 from .draft_backoff import DraftBackoff
 from .speculative import SamplingFilter, SpeculativeSampler
 from .drafters import pad_drafts
-from .generation_options import build_through_fairseq, sampling_of
+from .generation_options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
+                                 set_output_symbols)
 from .lean_decoder import block_decoder_for
 from .stats import DecodeStats, StatsGenerator
 
@@ -132,16 +133,18 @@ class DraftVerifyGenerator(StatsGenerator):
             lprobs.masked_fill_(at_max.unsqueeze(-1), -math.inf)
             lprobs[:, self.eos] = torch.where(at_max, eos_lp, lprobs[:, self.eos])
         forced = None
-        in_prefix = None
+        prefix_step = None
         if prefix is not None and prefix.size(1) > 0:
-            in_prefix = (steps < prefix.size(1)) & ~at_max_grid
+            # fairseq treats a step below the prefix width as a prefix step for every row, a
+            # row whose shorter prefix is padding there included (nothing forced, no EOS bar)
+            prefix_step = (steps < prefix.size(1)) & ~at_max_grid
             prefix_tok = prefix.gather(1, steps.clamp(max=prefix.size(1) - 1))
-            in_prefix &= prefix_tok.ne(self.pad)
+            in_prefix = prefix_step & prefix_tok.ne(self.pad)
             forced = layout.pack(torch.where(in_prefix, prefix_tok, torch.full_like(steps, -1)))
         if bar_eos_possible:
             bar_eos = steps < self.min_len
-            if in_prefix is not None:
-                bar_eos &= ~in_prefix
+            if prefix_step is not None:
+                bar_eos &= ~prefix_step
             if bool(bar_eos.any()):
                 lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(layout.pack(bar_eos), -math.inf)
         return forced
@@ -410,11 +413,15 @@ def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None,
 
 
 def _from_fairseq(models, tgt_dict, *, search_strategy, drafter, acceptance, seed=None,
-                  beam_size=1, match_source_len=False, no_repeat_ngram_size=0, **mapped):
+                  beam_size=1, match_source_len=False, no_repeat_ngram_size=0, eos=None,
+                  symbols_to_strip_from_output=None, tokens_to_suppress=(), **mapped):
     """fairseq's generator arguments -> DraftVerifyGenerator (beam 1; the rest was refused)."""
+    refuse_unknown_arguments(DraftVerifyGenerator, mapped, tokens_to_suppress)
     sampler = None
     sampling = sampling_of(search_strategy)
     if sampling is not None:
         sampler = SpeculativeSampler(SamplingFilter(*sampling),
                                      seed if seed is not None else torch.initial_seed())
-    return DraftVerifyGenerator(models, tgt_dict, drafter, acceptance, sampler=sampler, **mapped)
+    return set_output_symbols(
+        DraftVerifyGenerator(models, tgt_dict, drafter, acceptance, sampler=sampler, **mapped),
+        eos, symbols_to_strip_from_output)

@@ -48,7 +48,8 @@ def load_drafter(task, path, verifier):
                 "with the verifier's dictionary (fairseq-preprocess --srcdict/--tgtdict)"
                 % (side, rows, side, len(dictionary))
             )
-    models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
+    # the state read above builds the model: the file is read once
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task([path], task=task, state=state)
     drafter = models[0]
     if drafter.reads_verifier_encoder:
         _check_same_encoder(path, drafter, verifier)

@@ -5,6 +5,7 @@ A drafter gets the batch once (``start``) and is then asked, every iteration, fo
 """
 
 import logging
+import threading
 from typing import List
 
 import torch
@@ -31,6 +32,13 @@ def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
     return out.to(device), lengths.to(device)
 
 
+_THREADS_LOCK = threading.Lock()
+
+
+class _BatchState:
+    """One thread's per-batch values of a drafter (see ``Drafter.BATCH_STATE``)."""
+
+
 class Drafter:
     """Interface of the draft step of the draft-and-verify engine.
 
@@ -39,9 +47,35 @@ class Drafter:
     token was drawn from. ``None`` (the default) declares the drafts deterministic (one-hot q).
     """
 
-    draft_probs = None
     sampler = None
     temperature = 1.0
+
+    # The attributes a drafter sets per batch (in ``start``, ``propose``, ``observe``), with
+    # their values before any is set. They live in an object of the calling thread, so threads
+    # that share one generator, and so its drafter, each decode their own batch.
+    BATCH_STATE = {"draft_probs": None}
+
+    def _batch_state(self):
+        local = self.__dict__.get("_threads")
+        if local is None:
+            with _THREADS_LOCK:
+                local = self.__dict__.setdefault("_threads", threading.local())
+        state = getattr(local, "state", None)
+        if state is None:
+            state = local.state = _BatchState()
+        return state
+
+    def __getattr__(self, name):  # only for names that plain lookup does not find
+        defaults = type(self).BATCH_STATE
+        if name in defaults:
+            return getattr(self._batch_state(), name, defaults[name])
+        raise AttributeError("%r object has no attribute %r" % (type(self).__name__, name))
+
+    def __setattr__(self, name, value):
+        if name in type(self).BATCH_STATE:
+            setattr(self._batch_state(), name, value)
+        else:
+            object.__setattr__(self, name, value)
 
     def set_sampler(self, sampler, temperature: float = 1.0):
         """Called once by a sampling engine: draw drafts with ``sampler`` (its filter and its
@@ -90,7 +124,7 @@ class NoDrafter(Drafter):
 class SourceVocabularyMap:
     """Maps source token ids to target ids by their string (for separate dictionaries).
 
-    Tokens with no target counterpart map to -1: a copy draft stops before them.
+    Tokens with no target counterpart map to -1: copy drafts leave them out.
     """
 
     def __init__(self, src_dict, tgt_dict):
@@ -144,6 +178,9 @@ class CopyDrafter(Drafter):
     CPU_MIN_CEILING = 6
     CPU_MAX_CEILING = 16
 
+    BATCH_STATE = dict(Drafter.BATCH_STATE, on_cpu=True, sources=None, positions=None,
+                       last_match=None, outputs=None, mean_accepted=None, _drafted=None)
+
     def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False):
         self.vocab_map = SourceVocabularyMap(src_dict, tgt_dict)
         self.src_pad = src_dict.pad()
@@ -158,9 +195,9 @@ class CopyDrafter(Drafter):
         mapped = self.vocab_map(src).tolist()
         self.sources, self.positions, self.last_match = [], [], []
         for row, ids in zip(src.tolist(), mapped):
-            source = [bos] + [t for s, t in zip(row, ids) if s != self.src_pad]
-            if -1 in source:  # an unmappable token ends what can be copied
-                source = source[: source.index(-1)]
+            # a source token the target dictionary lacks cannot be drafted: it is left out,
+            # and copying goes on with the tokens after it
+            source = [bos] + [t for s, t in zip(row, ids) if s != self.src_pad and t != -1]
             where = {}
             for i, token in enumerate(source):
                 where.setdefault(token, []).append(i)
@@ -271,6 +308,9 @@ class HeadsDrafter(Drafter):
     short blocks; heads no row will use are not computed.
     """
 
+    BATCH_STATE = dict(Drafter.BATCH_STATE, next_draft=None, next_len=None, next_probs=None,
+                       mean_accepted=None, drafted=None)
+
     def __init__(self, decoder, pad: int, block_size: int, adaptive: bool = False,
                  dictionary=None, draft_vocab=None):
         self.decoder, self.pad = decoder, pad
@@ -374,6 +414,8 @@ class NARDrafter(Drafter):
     :class:`CachedNARDrafter` for the block-causal one. A draft stops after its first EOS.
     """
 
+    BATCH_STATE = dict(Drafter.BATCH_STATE, encoder_out=None, rows=None, active_encoder_out=None)
+
     def __init__(self, model, block_size: int, eos: int, pad: int, dictionary=None,
                  draft_vocab=None):
         self.model, self.k, self.eos, self.pad = model, block_size, eos, pad
@@ -436,6 +478,9 @@ class CachedNARDrafter(NARDrafter):
     the slot-first layout the drafter was trained on, so the drafts equal the full forward's
     (tests/test_gad_cached.py).
     """
+
+    BATCH_STATE = dict(NARDrafter.BATCH_STATE, cache=None, n_cached=None, mean_accepted=None,
+                       drafted=None)
 
     def __init__(self, model, block_size: int, eos: int, pad: int, adaptive: bool = False,
                  dictionary=None, draft_vocab=None):
@@ -502,7 +547,6 @@ class CachedNARDrafter(NARDrafter):
         features = self.blocks.forward_packed(block, self.n_cached, layout, self.encoder_out,
                                               self.cache, steps=steps, block_mask=mask)
         logits = self._slot_logits(features[layout.pos[:, :k].reshape(-1)].view(b, k, -1))
-        self.last_logits = logits  # (tests compare it with the full forward)
         self.blocks.drop_columns(self.cache, first, k)
         self.blocks.compact(self.cache)  # holes left by ragged new tokens
         self.n_cached = n_out + 1

@@ -1,5 +1,7 @@
 """fairseq's own SequenceGenerator (beam search, and greedy = beam 1) with our statistics."""
 
+import copy
+
 from fairseq.sequence_generator import SequenceGenerator
 
 from .stats import DecodeStats, count_hypotheses, timed
@@ -47,22 +49,28 @@ def build_beam(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
 
 def build_greedy(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     """Greedy decoding is fairseq's beam search with beam 1 (and one hypothesis)."""
-    use_beam_one(args)
-    return build_beam(task, models, args, extra_gen_cls_kwargs, **kwargs)
+    return build_beam(task, models, use_beam_one(args), extra_gen_cls_kwargs, **kwargs)
 
 
 def use_beam_one(args):
-    """Record beam 1 in the generation config, for the search and for what reports it.
+    """The generation config with beam 1, for the search and for what reports it.
 
-    fairseq-generate's closing line ("Generate test with beam=N") reads the same config: a
-    greedy generator must not be reported as fairseq's default beam of 5.
+    fairseq-generate's closing line ("Generate test with beam=N") reads the config it passed:
+    on fairseq's command lines that config itself records beam 1, so a greedy generator is not
+    reported as fairseq's default beam of 5. A library caller's config is left as it was: it gets
+    a copy.
     """
     if getattr(args, "beam", 1) == 1:
-        return
-    try:
-        args.beam = 1
-    except Exception:  # a struct omegaconf config refuses new keys only; beam is not new
-        from omegaconf import open_dict
+        return args
+    from omegaconf import OmegaConf, open_dict, read_write
 
-        with open_dict(args):
+    from ..errors import running_a_cli
+
+    if not running_a_cli():
+        args = copy.copy(args)
+    if OmegaConf.is_config(args):  # a struct or read-only config refuses plain assignment
+        with read_write(args), open_dict(args):
             args.beam = 1
+    else:
+        args.beam = 1
+    return args

@@ -128,3 +128,27 @@ def sampling_of(search_strategy):
         raise UsageError("search strategy %s is not supported here; use --generator beam"
                          % type(search_strategy).__name__)
     return None
+
+
+def refuse_unknown_arguments(generator_class, mapped, tokens_to_suppress=()):
+    """A UsageError (a ValueError) naming the first of fairseq ``SequenceGenerator``'s keyword
+    arguments that ``generator_class`` cannot take, instead of Python's bare TypeError."""
+    import inspect
+
+    if tokens_to_suppress:
+        raise UsageError("%s does not support tokens_to_suppress (SequenceGenerator's argument); "
+                         "use --generator beam" % generator_class.__name__)
+    accepted = set(inspect.signature(generator_class.__init__).parameters)
+    unknown = sorted(set(mapped) - accepted)
+    if unknown:
+        raise UsageError("%s does not take the generator argument %s; use --generator beam"
+                         % (generator_class.__name__, unknown[0]))
+
+
+def set_output_symbols(generator, eos=None, symbols_to_strip_from_output=None):
+    """SequenceGenerator's ``eos`` (also the default BOS) and ``symbols_to_strip_from_output``
+    (read by fairseq-generate when it prints hypotheses), set as SequenceGenerator sets them."""
+    if eos is not None:
+        generator.eos = eos
+    generator.symbols_to_strip_from_output = set(symbols_to_strip_from_output or ()) | {generator.eos}
+    return generator

@@ -21,7 +21,8 @@ import torch
 
 from .. import ordering
 from ..errors import UsageError
-from .generation_options import build_through_fairseq, sampling_of
+from .generation_options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
+                                 set_output_symbols)
 from .output_projection import OutputProjection, plain_output_projection
 from .stats import DecodeStats, StatsGenerator
 
@@ -217,8 +218,11 @@ def build_interleaved(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
 
 
 def _from_fairseq(models, tgt_dict, *, search_strategy, beam_size, candidates, temperature=1.0,
-                  match_source_len=False, no_repeat_ngram_size=0, **mapped):
+                  match_source_len=False, no_repeat_ngram_size=0, eos=None,
+                  symbols_to_strip_from_output=None, tokens_to_suppress=(), **mapped):
     """fairseq's generator arguments -> InterleavedBeamSearch (its options were refused)."""
+    refuse_unknown_arguments(InterleavedBeamSearch, mapped, tokens_to_suppress)
     sampling_of(search_strategy)  # plain beam search only
-    return InterleavedBeamSearch(models, tgt_dict, beam_size=beam_size, candidates=candidates,
-                                 **mapped)
+    return set_output_symbols(
+        InterleavedBeamSearch(models, tgt_dict, beam_size=beam_size, candidates=candidates,
+                              **mapped), eos, symbols_to_strip_from_output)

@@ -26,6 +26,7 @@ zero attention, xformers, subclasses overriding ``forward``) keep the module pat
 :func:`lean_supported` says which.
 """
 
+import logging
 from typing import List, Optional
 
 import torch
@@ -355,4 +356,22 @@ def block_decoder_for(decoder, lean: bool = True, fast: bool = False) -> BlockDe
             return FastBlockDecoder(decoder)
     if lean and lean_supported(decoder):
         return LeanBlockDecoder(decoder)
+    if lean:
+        _log_fallback(decoder)
     return BlockDecoder(decoder)
+
+
+logger = logging.getLogger(__name__)
+_fallbacks_logged = set()
+
+
+def _log_fallback(decoder):
+    """Say once per decoder class that the engine runs fairseq's slower modules: the lean step
+    is several times faster, so a user comparing speeds needs to know which one ran."""
+    kind = type(decoder).__name__
+    if kind in _fallbacks_logged:
+        return
+    _fallbacks_logged.add(kind)
+    logger.warning("%s's layers use options the lean decoder step does not reproduce "
+                   "(NormFormer, bias_kv, cross-self-attention, ...): decoding with fairseq's "
+                   "own modules, which is slower", kind)

@@ -163,6 +163,7 @@ class LookupDrafter(CopyDrafter):
     """
 
     LOCAL_ORDER = 4
+    BATCH_STATE = dict(CopyDrafter.BATCH_STATE, output_positions=None, indexed=None)
 
     def __init__(self, src_dict, tgt_dict, table: Optional[NgramTable] = None, block_size=None,
                  adaptive=False):

@@ -83,6 +83,21 @@ class IBDecoderDecoder(TransformerDecoderBase):
             pos = direction if pos is None else pos + direction
         return pos
 
+    def _self_attn_mask(self, first, length, like, incremental):
+        """Rows ``first .. length - 1`` of the training mask: M(h, c) (Eq. 4), or M(1, 1) for the
+        ablation "vanilla mask". None where every query sees every key.
+
+        An incremental step queries the last z slots over the whole cache, so it needs the same
+        rows of the same mask as training: under M(h, c) the cached slots are of earlier steps
+        and the z new ones see each other (nothing to mask); under M(1, 1) a new slot must not
+        see the new slots after it.
+        """
+        h, c = (self.h, self.c) if self.relaxed_mask else (1, 1)
+        if incremental and h * c >= self.z:
+            return None
+        mask = ordering.relaxed_causal_mask(length, h, c, device=like.device, dtype=like.dtype)
+        return mask[first:]
+
     def extract_features_scriptable(self, prev_output_tokens, encoder_out=None,
                                     incremental_state=None, full_context_alignment=False,
                                     alignment_layer=None, alignment_heads=None):
@@ -120,11 +135,8 @@ class IBDecoderDecoder(TransformerDecoderBase):
         if prev_output_tokens.eq(self.padding_idx).any():
             self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
         self_attn_mask = None
-        if incremental_state is None and not full_context_alignment:
-            # M(h, c) (Eq. 4); the ablation "vanilla mask" is M(1, 1)
-            h, c = (self.h, self.c) if self.relaxed_mask else (1, 1)
-            self_attn_mask = ordering.relaxed_causal_mask(length, h, c, device=x.device, dtype=x.dtype)
-        # (incremental: every cached slot is from an earlier step, the z new ones see each other)
+        if not full_context_alignment:
+            self_attn_mask = self._self_attn_mask(first, length, x, incremental_state is not None)
 
         inner_states = [x]
         for layer in self.layers:

@@ -19,7 +19,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from ..errors import UsageError
+from ..errors import UsageError, running_a_cli
 from ..generators import GENERATORS
 from ..generators.fairseq_search import use_beam_one
 from ..generators.generation_options import GREEDY_ONLY, refuse
@@ -157,16 +157,17 @@ class _SummaryReporter:
     """
 
     def __init__(self):
-        self.generators = []
+        self.stats = []
         atexit.register(self.report)
 
     def add(self, name, generator):
-        self.generators.append((name, generator))
+        # the statistics only: holding the generator would keep its models alive
+        self.stats.append((name, generator.stats))
 
     def report(self):
-        for name, generator in self.generators:
-            if generator.stats.sentences:
-                logger.info(generator.stats.summary_line(name))
+        for name, stats in self.stats:
+            if stats.sentences:
+                logger.info(stats.summary_line(name))
 
 
 _reporter = None
@@ -176,8 +177,9 @@ _reporter = None
 class TranslationPardecTask(TranslationTask):
     """Translation with fairseq_pardec's generators (``--generator``).
 
-    ``report_summary``: log each generator's statistics when the process ends (the CLIs'
-    summary line); a caller that reports by itself (the benchmark) turns it off.
+    ``report_summary``: on fairseq's command lines, log each generator's statistics when the
+    process ends (the CLIs' summary line); a caller that reports by itself (the benchmark)
+    turns it off.
     """
 
     cfg: TranslationPardecConfig
@@ -238,7 +240,12 @@ class TranslationPardecTask(TranslationTask):
 
     # ------------------------------------------------------------------ batching
     def get_batch_iterator(self, dataset, *args, **kwargs):
-        _keep_tail_batch(dataset)
+        # fairseq's Trainer asks for its train and valid iterators with skip_remainder_batch
+        # (positional or keyword): their batches stay fairseq's, every one a multiple of
+        # --required-batch-size-multiple; the iterators of decoding (fairseq-generate,
+        # -validate, -interactive, library callers) keep the tail batch
+        training = "skip_remainder_batch" in kwargs or len(args) >= _SKIP_REMAINDER_POSITION
+        _keep_tail_batch(dataset, keep=not training)
         return super().get_batch_iterator(dataset, *args, **kwargs)
 
     # ------------------------------------------------------------------ generators
@@ -253,6 +260,10 @@ class TranslationPardecTask(TranslationTask):
         asked = name = str(self.cfg.generator)
         if models and hasattr(models[0], "words_per_step") and name in ("beam", "greedy"):
             name = "interleaved"  # ibdecoder models emit several words per step
+        if seq_gen_cls is not None and asked != "beam":
+            raise UsageError("--generator %s cannot build the generator class %s that the "
+                             "caller asks for (seq_gen_cls); drop --generator or seq_gen_cls"
+                             % (asked, getattr(seq_gen_cls, "__name__", seq_gen_cls)))
         if getattr(args, "score_reference", False) or seq_gen_cls is not None:
             # Scoring and callers that bring their own generator class get fairseq's path.
             return super().build_generator(
@@ -262,7 +273,7 @@ class TranslationPardecTask(TranslationTask):
             refuse(each, self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
                    explicit_beam=self.cfg.explicit_beam)
         if asked in GREEDY_ONLY:
-            use_beam_one(args)
+            args = use_beam_one(args)
         generator = GENERATORS[name](
             self,
             models,
@@ -270,7 +281,7 @@ class TranslationPardecTask(TranslationTask):
             extra_gen_cls_kwargs=extra_gen_cls_kwargs,
             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
         )
-        if self.report_summary:
+        if self.report_summary and running_a_cli():  # a library caller reads generator.stats
             global _reporter
             if _reporter is None:
                 _reporter = _SummaryReporter()
@@ -278,13 +289,23 @@ class TranslationPardecTask(TranslationTask):
         return generator
 
 
-def _keep_tail_batch(dataset):
-    """Make ``dataset.batch_by_size`` keep the last, smaller batch.
+# positional arguments after dataset up to and including FairseqTask.get_batch_iterator's
+# skip_remainder_batch
+_SKIP_REMAINDER_POSITION = 13
+
+
+def _keep_tail_batch(dataset, keep=True):
+    """Make ``dataset.batch_by_size`` keep the last, smaller batch (``keep``), or undo that.
 
     fairseq main's ``data_utils.batch_by_size`` drops the final batch when its size is not a
     multiple of ``--required-batch-size-multiple`` (upstream issues #5036, #5351), which silently
     loses test sentences. We let fairseq batch as usual and append whatever it left out.
     """
+    if not keep:
+        if getattr(dataset, "_pardec_keeps_tail", False):  # a dataset decoded before
+            del dataset.batch_by_size  # the class's method again
+            dataset._pardec_keeps_tail = False
+        return
     if getattr(dataset, "_pardec_keeps_tail", False):
         return
     original = dataset.batch_by_size
