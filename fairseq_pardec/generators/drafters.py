@@ -172,11 +172,17 @@ class CopyDrafter(Drafter):
     # Measured with true batch sizes (UA-GEC test, d256 3+3 model after 7 epochs, 2 threads,
     # median of 3; docs/results.md "iad draft-cap sweep"): batch 1 (80 sentences), adaptive
     # under 6/10/16/32: 3.51/3.90/4.30/4.31x greedy, fixed 4/10: 2.76/3.84x; batch 32 (300
-    # sentences), adaptive under 6/10/16/32: 1.65/1.62/1.56/1.41x, fixed 4/10: 1.40/1.40x. On a
-    # GPU a longer block costs about as much as one token: no ceiling there.
+    # sentences), adaptive under 6/10/16/32: 1.65/1.62/1.56/1.41x, fixed 4/10: 1.40/1.40x.
     CPU_POSITIONS = 64
     CPU_MIN_CEILING = 6
     CPU_MAX_CEILING = 16
+    # On a GPU a longer block costs about as much as one token, so rows may draft what remains
+    # of their source, within a budget of block positions per iteration: the verifier holds a
+    # (positions, vocabulary) tensor of log-probabilities, and 64 rows x 200 source positions x
+    # 32k words would be 1.6 GB of it. GPU_POSITIONS are shared by the active rows, each row's
+    # ceiling at least GPU_MIN_CEILING (32 for 64 rows; 2048 for one row).
+    GPU_POSITIONS = 2048
+    GPU_MIN_CEILING = 16
 
     BATCH_STATE = dict(Drafter.BATCH_STATE, on_cpu=True, sources=None, positions=None,
                        last_match=None, outputs=None, mean_accepted=None, _drafted=None)
@@ -231,11 +237,11 @@ class CopyDrafter(Drafter):
         return candidates[0]
 
     def _ceiling(self, active_rows: int):
-        """The cap every row drafts under this iteration (None: the remaining length)."""
+        """The cap every row drafts under this iteration."""
         if self.block_size is not None:
             return self.block_size
         if not self.on_cpu:
-            return None
+            return max(self.GPU_MIN_CEILING, self.GPU_POSITIONS // max(1, active_rows))
         share = self.CPU_POSITIONS // max(1, active_rows)
         return max(self.CPU_MIN_CEILING, min(self.CPU_MAX_CEILING, share))
 
