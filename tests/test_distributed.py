@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from test_cli import PLUGIN, cli_data  # noqa: F401  (cli_data: the session fixture)
+from test_cli import PLUGIN, cli_data  # noqa: F401  (cli_data: a fixture shared by the modules)
 
 SIZES = (
     "--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 --decoder-embed-dim 32 "
