@@ -34,14 +34,20 @@ def running_scores(start: Tensor, step_scores: Tensor) -> Tensor:
 
 
 def beam_one_tokens(lprobs: Tensor, scores_before: Tensor) -> Tensor:
-    """fairseq's beam-1 choice at every block position.
+    """fairseq's beam-1 choice at every block position (see :func:`beam_one_choice`)."""
+    return beam_one_choice(lprobs, scores_before)[0]
+
+
+def beam_one_choice(lprobs: Tensor, scores_before: Tensor):
+    """fairseq's beam-1 choice at every block position, and the two best log-probs there.
 
     Args:
         lprobs: (B, L, V) adjusted log-probabilities (pad, unk penalty, min/max length applied).
         scores_before: (B, L) cumulative score of the hypothesis before each position.
     Returns:
         (B, L) the first of ``topk(lprobs + score, 2)`` per position, the token that
-        ``SequenceGenerator`` continues with (or finishes with, when it is EOS).
+        ``SequenceGenerator`` continues with (or finishes with, when it is EOS), and the
+        (B, L, 2) best two log-probs (the margin guard reads them; (B, L, 1) for one word).
 
     Adding the score is monotone, so where the best log-prob stays strictly ahead of the second
     after the addition it is fairseq's choice, whatever ``topk``'s order among equal values; only
@@ -61,11 +67,11 @@ def beam_one_tokens(lprobs: Tensor, scores_before: Tensor) -> Tensor:
     top = lprobs.topk(k, dim=-1)
     tokens = top.indices[..., 0]
     if k < 2:
-        return tokens
+        return tokens, top.values
     ahead = (top.values[..., 0] + scores_before) > (top.values[..., 1] + scores_before)
     if not bool(ahead.all()):
         tied = (~ahead).nonzero(as_tuple=True)
         candidates = lprobs[tied] + scores_before[tied].unsqueeze(-1)
         tokens[tied] = torch.cat([candidates[i: i + 1].topk(k, dim=-1).indices[:, 0]
                                   for i in range(candidates.size(0))])
-    return tokens
+    return tokens, top.values

@@ -23,14 +23,16 @@ from fairseq.sequence_generator import SequenceGenerator
 _ADD_ROUNDING = 2.0 ** -23
 
 
-def close_calls(lprobs: Tensor, scores_before: Tensor, margin: float) -> Tensor:
+def close_calls(top: Tensor, scores_before: Tensor, margin: float) -> Tensor:
     """(N,) True where rounding within ``margin`` could change fairseq's choice of token.
 
     Args:
-        lprobs: (N, V) adjusted log-probabilities from the fast step.
+        top: (N, 2) the two best adjusted log-probabilities from the fast step, best first
+            (``beam_one_choice``'s); (N, 1) when the vocabulary has one word.
         scores_before: (N,) cumulative score of each position's hypothesis.
     """
-    top = lprobs.topk(2, dim=-1).values
+    if top.size(-1) < 2:
+        return torch.zeros(top.shape[:-1], dtype=torch.bool, device=top.device)
     lead = top[:, 0] - top[:, 1]  # +inf where only one candidate is left (EOS forced)
     slack = 2 * margin + _ADD_ROUNDING * (scores_before.abs() + top[:, 0].abs())
     return ~(lead > slack)

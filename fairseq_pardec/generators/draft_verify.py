@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..errors import UsageError
 
-from .beam_one import beam_one_tokens, running_scores
+from .beam_one import beam_one_choice, running_scores
 from .block_layout import BlockLayout
 from .close_calls import close_calls, fairseq_decision
 from .draft_backoff import DraftBackoff
@@ -228,10 +228,10 @@ class DraftVerifyGenerator(StatsGenerator):
             padded_draft = torch.cat([draft, draft.new_full((b, 1), self.pad)], dim=1)
             if self.sampler is None:
                 packed_before = layout.pack(before)
-                verifier = beam_one_tokens(lprobs, packed_before)
+                verifier, top = beam_one_choice(lprobs, packed_before)
                 close = None
                 if self._guarded():
-                    close = close_calls(lprobs, packed_before, self.margin)
+                    close = close_calls(top, packed_before, self.margin)
                 if forced is not None:
                     verifier = torch.where(forced >= 0, forced, verifier)
                     if close is not None:
