@@ -63,6 +63,7 @@ def fit_heads(model, task, make_sample, steps, lr, first_seed):
     model.eval()
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("block_size", [None, 4])  # adaptive per-row caps; the paper's fixed k
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_identity_p1_exact_equals_base_greedy(trained_heads, batch_size, block_size):
@@ -105,6 +106,7 @@ def test_proposal_features_are_heads_two_to_n(identity):
     assert torch.allclose(later, full[:, 1:4], atol=1e-5)
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_shortlisted_heads_stay_lossless(trained_heads, batch_size):
     """--draft-vocab: the heads score a shortlist; the output is still base greedy's."""
@@ -115,6 +117,7 @@ def test_shortlisted_heads_stay_lossless(trained_heads, batch_size):
     assert by_id(sample, expected) == by_id(sample, generator.generate([model], sample))
 
 
+@pytest.mark.trains
 def test_adaptive_caps_follow_acceptance(trained_heads):
     """Rows whose proposals are rejected draft 1 head's token; the cap grows back with
     acceptance and never passes the model's heads."""
@@ -134,6 +137,7 @@ def test_adaptive_caps_follow_acceptance(trained_heads):
     assert drafter.next_len.tolist() == [1, 3]
 
 
+@pytest.mark.trains
 def test_merged_invocation_one_model_call_per_iteration(trained_heads):
     _, model, task, make_sample = trained_heads
     calls = []
@@ -152,6 +156,7 @@ def test_merged_invocation_one_model_call_per_iteration(trained_heads):
         handle.remove()
 
 
+@pytest.mark.trains
 def test_p1_is_fairseq_output_and_heads_shift_targets(trained_heads):
     _, model, task, make_sample = trained_heads
     sample = make_sample(4, seed=3)
@@ -216,6 +221,7 @@ def test_min_block_rule():
     assert MinimumBlock(ExactAcceptance(), 1).lossless
 
 
+@pytest.mark.trains
 def test_bad_configurations(trained_heads, copy_model):
     base, model, task, _ = trained_heads
     with pytest.raises(ValueError, match="no(ne)?|proposal heads"):
@@ -280,6 +286,7 @@ def frozen_base_heads(copy_model, layer, hidden, first_seed):
     return base, model, task, make_sample
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_light_heads_frozen_base_equal_base_greedy(trained_light_heads, batch_size):
     base, model, task, make_sample = trained_light_heads
@@ -311,6 +318,7 @@ def trained_recurrent_heads(copy_model):
     return frozen_base_heads(copy_model, "recurrent", hidden=32, first_seed=5000)
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size, block_size, draft_vocab",
                          [(1, None, None), (8, 4, None), (8, None, 10), (64, None, None)])
 def test_recurrent_heads_frozen_base_equal_base_greedy(trained_recurrent_heads, batch_size,

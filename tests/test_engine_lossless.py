@@ -60,6 +60,7 @@ def test_random_model_equals_greedy(batch_size, shared):
     assert generator.stats.sentences == batch_size
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_trained_near_copy_model_equals_greedy(copy_model, batch_size):
     model, d, make_sample = copy_model
@@ -84,6 +85,7 @@ def test_max_len_cut_offs_and_no_overlap():
         assert all(len(h[0]["tokens"]) <= max_len_b + 1 for h in got)
 
 
+@pytest.mark.trains
 def test_min_len_unk_penalty_prefix_and_block_size(copy_model):
     model, d, make_sample = copy_model
     sample = make_sample(8, seed=7)
@@ -116,6 +118,7 @@ class RandomDrafter(Drafter):
         return pad_drafts(drafts, self.pad, tokens.device)
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_any_draft_is_lossless(copy_model, batch_size):
     model, d, make_sample = copy_model
@@ -139,6 +142,7 @@ def test_empty_source_and_unk_in_draft():
     assert_same(sample, expected, iad(model, d, d, max_len_b=6).generate([model], sample))
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_adaptive_draft_caps_are_lossless(copy_model, batch_size):
     model, d, make_sample = copy_model

@@ -11,7 +11,7 @@ from fairseq_pardec.generators.acceptance import ExactAcceptance
 from fairseq_pardec.generators.drafters import CachedNARDrafter
 from fairseq_pardec.models.glat_drafter import GlatDrafterModel
 
-from helpers import by_id, fairseq_greedy, make_task, tiny_args
+from helpers import by_id, fairseq_greedy, make_dictionary, make_task, tiny_args
 from test_gad import train_drafter
 
 
@@ -52,8 +52,8 @@ def trained_causal_drafter(copy_model):
     return verifier, model, task, make_sample, losses
 
 
-def test_block_causal_layout_and_mask(copy_model):
-    _, d, _ = copy_model
+def test_block_causal_layout_and_mask():
+    d = make_dictionary(30)  # the near-copy model's; no trained model needed
     model = causal_drafter(make_task(d), k=2)
     prefixes = torch.tensor([[2, 7, 8, 9], [2, 5, 1, 1]])
     tokens, slots = model.draft_inputs(prefixes, torch.tensor([2, 1]), 2)
@@ -67,6 +67,7 @@ def test_block_causal_layout_and_mask(copy_model):
     assert mask[2:, 2:].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("reads_verifier", [False, True])
 def test_cached_drafting_equals_full_forward(copy_model, reads_verifier):
     """Feed a random acceptance schedule through the cached drafter (rows finishing on the way)
@@ -102,6 +103,7 @@ def test_cached_drafting_equals_full_forward(copy_model, reads_verifier):
             rows, tokens, n_out = rows[keep], tokens[keep], n_out[keep]
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_cached_gad_equals_greedy_random_drafter(copy_model, batch_size):
     verifier, d, make_sample = copy_model
@@ -111,6 +113,7 @@ def test_cached_gad_equals_greedy_random_drafter(copy_model, batch_size):
     assert by_id(sample, expected) == by_id(sample, gad(verifier, model, d, k=5).generate([verifier], sample))
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_cached_gad_equals_greedy_trained_drafter(trained_causal_drafter, batch_size):
     verifier, model, task, make_sample, losses = trained_causal_drafter
@@ -123,12 +126,14 @@ def test_cached_gad_equals_greedy_trained_drafter(trained_causal_drafter, batch_
         assert generator.stats.tokens_per_iteration > 1.5  # the drafts get accepted
 
 
+@pytest.mark.trains
 def test_frozen_verifier_encoder_is_not_trained(trained_causal_drafter):
     verifier, model, *_ = trained_causal_drafter
     theirs = verifier.encoder.state_dict()
     assert all(torch.equal(v, theirs[k]) for k, v in model.encoder.state_dict().items())
 
 
+@pytest.mark.trains
 def test_drafter_of_another_verifier_is_refused(trained_causal_drafter):
     from fairseq_pardec.generators.drafter_loading import _check_same_encoder
 
@@ -141,6 +146,7 @@ def test_drafter_of_another_verifier_is_refused(trained_causal_drafter):
         _check_same_encoder("d.pt", model, other)
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_shortlisted_drafts_stay_lossless(trained_causal_drafter, batch_size):
     """--draft-vocab: the drafter scores a shortlist only; outputs stay fairseq greedy's and

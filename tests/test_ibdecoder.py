@@ -108,6 +108,7 @@ def trained_ibdecoder():
     return model, d, g
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("beam", [1, 4])
 def test_trained_ibdecoder_copies(trained_ibdecoder, beam):
     model, d, g = trained_ibdecoder
