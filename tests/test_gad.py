@@ -9,7 +9,15 @@ from fairseq_pardec.generators.acceptance import TopBetaTauAcceptance
 from fairseq_pardec.generators.drafters import NARDrafter
 from fairseq_pardec.models.glat_drafter import GlatDrafterModel
 
-from helpers import by_id, fairseq_greedy, make_dictionary, make_task, tiny_args
+from helpers import by_id, fairseq_greedy, make_dictionary, make_task, pooled, tiny_args
+
+
+# Thresholds on what a model trained in the test reaches sit about halfway between the
+# untrained baseline and the lowest value measured over CPU kernel variants (ATen AVX2 and
+# default kernels, MKL code paths, MKL_CBWR, 1 and 2 threads) and seven training seeds: a
+# training that rounds differently follows another trajectory, much as another seed does.
+# Trained GLAT drafter, 64 sentences: 1.48-2.08 tokens per iteration, untrained 1.00-1.04.
+GAD_TPI = 1.25
 
 
 def drafter_model(task, k=4, seed=0):
@@ -56,6 +64,7 @@ def gad(verifier, drafter, d, beta=1, tau=0.0, k=4):
 @pytest.mark.trains
 def test_drafter_loss_decreases(trained_drafter):
     losses = trained_drafter[-1]
+    # last 20 steps' mean over the first 20's: 0.48-0.51 over the variants of GAD_TPI's comment
     assert sum(losses[-20:]) / 20 < 0.6 * sum(losses[:20]) / 20
 
 
@@ -64,11 +73,12 @@ def test_drafter_loss_decreases(trained_drafter):
 def test_gad_equals_verifier_greedy_trained_drafter(trained_drafter, batch_size):
     verifier, drafter, task, make_sample, _ = trained_drafter
     d = task.target_dictionary
-    sample = make_sample(batch_size, seed=batch_size)
-    expected = fairseq_greedy(verifier, d, sample, max_len_a=1.0, max_len_b=10)
     generator = gad(verifier, drafter, d)
-    assert by_id(sample, expected) == by_id(sample, generator.generate([verifier], sample))
-    assert generator.stats.tokens_per_iteration > 1.5  # the drafter's blocks get accepted
+    for sample in pooled(make_sample, batch_size, first_seed=batch_size):
+        expected = fairseq_greedy(verifier, d, sample, max_len_a=1.0, max_len_b=10)
+        assert by_id(sample, expected) == by_id(sample, generator.generate([verifier], sample))
+    # the drafter's blocks get accepted (over 64 sentences)
+    assert generator.stats.tokens_per_iteration > GAD_TPI
 
 
 @pytest.mark.trains
