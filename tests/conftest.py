@@ -12,6 +12,27 @@ from helpers import collate, make_dictionary, make_task, tiny_transformer  # noq
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); pytest -m cuda")
+    config.addinivalue_line(
+        "markers",
+        "trains: trains a model in the test process or uses a fixture that does; what it learns "
+        "depends on the CPU's kernels, so make test runs these a second time with other ones",
+    )
+
+
+# Fixtures that train a model in the test process: a test using one needs the trains marker.
+TRAINING_FIXTURES = {
+    "copy_model", "trained_heads", "trained_light_heads", "trained_recurrent_heads",
+    "trained_drafter", "trained_causal_drafter", "trained_ibdecoder",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    # a test left out of `-m trains` would go unchecked on the second kernel family
+    unmarked = [item.nodeid for item in items
+                if TRAINING_FIXTURES & set(item.fixturenames) and not item.get_closest_marker("trains")]
+    if unmarked:
+        raise pytest.UsageError("tests using a training fixture need @pytest.mark.trains: "
+                                + ", ".join(unmarked))
 
 
 @pytest.fixture(scope="session")

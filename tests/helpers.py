@@ -83,3 +83,11 @@ def fairseq_greedy(model, tgt_dict, sample, **kwargs):
 def by_id(sample, hypos):
     """{sentence id: token list} of the best hypothesis of each sentence."""
     return {int(i): h[0]["tokens"].tolist() for i, h in zip(sample["id"], hypos)}
+
+
+def pooled(make_sample, batch_size, first_seed, sentences=64):
+    """Batches of ``batch_size`` holding ``sentences`` sentences in all, the first one seeded
+    ``first_seed``. Quality thresholds (tokens per iteration of a trained drafter) are checked
+    on all of them: on one sentence a single token accepted more or less moves the ratio by
+    0.1 or more, as the CPU's kernels round a trained model's weights differently."""
+    return [make_sample(batch_size, seed=first_seed + k) for k in range(max(1, sentences // batch_size))]

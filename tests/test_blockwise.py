@@ -1,6 +1,7 @@
 """Blockwise parallel decoding: model, criterion, generator, acceptance rules."""
 
 import argparse
+import copy
 
 import pytest
 import torch
@@ -15,7 +16,19 @@ from fairseq_pardec.generators.acceptance import (
 )
 from fairseq_pardec.models.blockwise_transformer import BlockwiseTransformerModel
 
-from helpers import by_id, collate, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_args
+from helpers import (by_id, collate, fairseq_greedy, make_dictionary, make_task, pooled, random_batch,
+                     tiny_args)
+
+
+# Thresholds on what a model trained in the test reaches sit about halfway between the
+# untrained baseline and the lowest value measured over CPU kernel variants (ATen AVX2 and
+# default kernels, MKL code paths, MKL_CBWR, 1 and 2 threads) and seven training seeds: a
+# training that rounds differently follows another trajectory, much as another seed does.
+# Identity p_1, trained heads, 64 sentences: 1.35-1.53 tokens per iteration, untrained heads
+# 1.08-1.17.
+IDENTITY_TPI = 1.25
+# Heads trained on frozen features, held-out blockwise loss against the untrained heads': 0.53-0.63.
+HEADS_LOSS_RATIO = 0.8
 
 
 def blockwise_model(task, heads=4, identity=True, seed=0, base=None, **overrides):
@@ -63,18 +76,20 @@ def fit_heads(model, task, make_sample, steps, lr, first_seed):
     model.eval()
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("block_size", [None, 4])  # adaptive per-row caps; the paper's fixed k
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_identity_p1_exact_equals_base_greedy(trained_heads, batch_size, block_size):
     _, model, task, make_sample = trained_heads
-    sample = make_sample(batch_size, seed=batch_size)
-    # the base model is the blockwise model's p_1 (identity head): fairseq greedy of it
-    expected = fairseq_greedy(model, task.target_dictionary, sample, max_len_a=1.0, max_len_b=10)
     generator = blockwise_generator(task, model, block_size=block_size)
     assert generator.drafter.adaptive == (block_size is None)
-    got = generator.generate([model], sample)
-    assert by_id(sample, expected) == by_id(sample, got)
-    assert generator.stats.tokens_per_iteration > 1.3  # the heads propose useful tokens
+    for sample in pooled(make_sample, batch_size, first_seed=batch_size):
+        # the base model is the blockwise model's p_1 (identity head): fairseq greedy of it
+        expected = fairseq_greedy(model, task.target_dictionary, sample, max_len_a=1.0, max_len_b=10)
+        got = generator.generate([model], sample)
+        assert by_id(sample, expected) == by_id(sample, got)
+    # the heads propose useful tokens; over 64 sentences
+    assert generator.stats.tokens_per_iteration > IDENTITY_TPI
 
 
 @pytest.mark.parametrize("block_size", [None, 5])
@@ -105,6 +120,7 @@ def test_proposal_features_are_heads_two_to_n(identity):
     assert torch.allclose(later, full[:, 1:4], atol=1e-5)
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_shortlisted_heads_stay_lossless(trained_heads, batch_size):
     """--draft-vocab: the heads score a shortlist; the output is still base greedy's."""
@@ -115,6 +131,7 @@ def test_shortlisted_heads_stay_lossless(trained_heads, batch_size):
     assert by_id(sample, expected) == by_id(sample, generator.generate([model], sample))
 
 
+@pytest.mark.trains
 def test_adaptive_caps_follow_acceptance(trained_heads):
     """Rows whose proposals are rejected draft 1 head's token; the cap grows back with
     acceptance and never passes the model's heads."""
@@ -134,6 +151,7 @@ def test_adaptive_caps_follow_acceptance(trained_heads):
     assert drafter.next_len.tolist() == [1, 3]
 
 
+@pytest.mark.trains
 def test_merged_invocation_one_model_call_per_iteration(trained_heads):
     _, model, task, make_sample = trained_heads
     calls = []
@@ -154,6 +172,7 @@ def test_merged_invocation_one_model_call_per_iteration(trained_heads):
         handle.remove()
 
 
+@pytest.mark.trains
 def test_p1_is_fairseq_output_and_heads_shift_targets(trained_heads):
     _, model, task, make_sample = trained_heads
     sample = make_sample(4, seed=3)
@@ -218,6 +237,7 @@ def test_min_block_rule():
     assert MinimumBlock(ExactAcceptance(), 1).lossless
 
 
+@pytest.mark.trains
 def test_bad_configurations(trained_heads, copy_model):
     base, model, task, _ = trained_heads
     with pytest.raises(ValueError, match="no(ne)?|proposal heads"):
@@ -270,27 +290,40 @@ def trained_light_heads(copy_model):
 
 
 def frozen_base_heads(copy_model, layer, hidden, first_seed):
-    """(base, model, task, make_sample): ``layer`` heads trained on a frozen copy of the
-    near-copy model."""
+    """(base, model, untrained, task, make_sample): ``layer`` heads trained on a frozen copy of
+    the near-copy model, and the same model before that training (every head starts as p_1)."""
     base, d, make_sample = copy_model
     task = make_task(d)
     model = blockwise_model(task, heads=4, base=base, encoder_layers=1, decoder_layers=2,
                             proposal_layer=layer, proposal_hidden_dim=hidden)
+    untrained = copy.deepcopy(model)
     for name, param in model.named_parameters():
         param.requires_grad = name.startswith("decoder.proposal.")
     fit_heads(model, task, make_sample, steps=200, lr=3e-3, first_seed=first_seed)
-    return base, model, task, make_sample
+    return base, model, untrained, task, make_sample
 
 
+def assert_heads_learned(task, model, untrained, sample, generator):
+    """Frozen features limit what the heads learn: their drafts gain a few hundredths of a token
+    per iteration over the same heads untrained (every head p_1), less than that gain moves
+    between CPUs. What training did is clear in the criterion's loss on held-out sentences."""
+    criterion = BlockwiseCrossEntropyCriterion(task, False, 0.0, head_sampling="mean")
+    with torch.no_grad():
+        trained, before = float(criterion(model, sample)[0]), float(criterion(untrained, sample)[0])
+    assert trained < HEADS_LOSS_RATIO * before, (trained, before)
+    assert generator.stats.tokens_per_iteration > 1.0  # drafts were accepted: the path was exercised
+
+
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_light_heads_frozen_base_equal_base_greedy(trained_light_heads, batch_size):
-    base, model, task, make_sample = trained_light_heads
+    base, model, untrained, task, make_sample = trained_light_heads
     sample = make_sample(batch_size, seed=40 + batch_size)
     expected = fairseq_greedy(base, task.target_dictionary, sample, max_len_a=1.0, max_len_b=10)
     generator = blockwise_generator(task, model)
     assert by_id(sample, expected) == by_id(sample, generator.generate([model], sample))
-    if batch_size == 64:  # frozen features limit the heads; random heads accept ~nothing (1.0)
-        assert generator.stats.tokens_per_iteration > 1.1
+    if batch_size == 64:
+        assert_heads_learned(task, model, untrained, sample, generator)
 
 
 def test_light_heads_shapes_and_identity_start():
@@ -313,17 +346,18 @@ def trained_recurrent_heads(copy_model):
     return frozen_base_heads(copy_model, "recurrent", hidden=32, first_seed=5000)
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size, block_size, draft_vocab",
                          [(1, None, None), (8, 4, None), (8, None, 10), (64, None, None)])
 def test_recurrent_heads_frozen_base_equal_base_greedy(trained_recurrent_heads, batch_size,
                                                       block_size, draft_vocab):
-    base, model, task, make_sample = trained_recurrent_heads
+    base, model, untrained, task, make_sample = trained_recurrent_heads
     sample = make_sample(batch_size, seed=60 + batch_size)
     expected = fairseq_greedy(base, task.target_dictionary, sample, max_len_a=1.0, max_len_b=10)
     generator = blockwise_generator(task, model, block_size=block_size, draft_vocab=draft_vocab)
     assert by_id(sample, expected) == by_id(sample, generator.generate([model], sample))
-    if batch_size == 64:  # frozen features limit the heads; random heads accept ~nothing (1.0)
-        assert generator.stats.tokens_per_iteration > 1.1
+    if batch_size == 64:
+        assert_heads_learned(task, model, untrained, sample, generator)
 
 
 def test_recurrent_heads_read_the_tokens_before_them():

@@ -50,6 +50,7 @@ def test_random_model_lossless_fp32(batch_size):
         assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_trained_copy_model_lossless_fp32(copy_model, batch_size):
     model, d, make_sample = copy_model
@@ -60,6 +61,7 @@ def test_trained_copy_model_lossless_fp32(copy_model, batch_size):
     assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
 
 
+@pytest.mark.trains
 def test_fp16_divergence_audit(copy_model):
     model, d, make_sample = copy_model
     model = copy.deepcopy(model).cuda().half()

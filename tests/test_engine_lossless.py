@@ -12,9 +12,18 @@ from helpers import (
     fairseq_greedy,
     make_dictionary,
     make_task,
+    pooled,
     random_batch,
     tiny_transformer,
 )
+
+
+# Thresholds on what a model trained in the test reaches sit about halfway between the
+# untrained baseline and the lowest value measured over CPU kernel variants (ATen AVX2 and
+# default kernels, MKL code paths, MKL_CBWR, 1 and 2 threads) and seven training seeds: a
+# training that rounds differently follows another trajectory, much as another seed does.
+# Copy drafter on the near-copy model, 64 sentences: 2.64-5.47 tokens per iteration (no draft: 1).
+ENGINE_TPI = 1.8
 
 
 def iad(model, src_dict, tgt_dict, block_size=None, **kwargs):
@@ -60,16 +69,17 @@ def test_random_model_equals_greedy(batch_size, shared):
     assert generator.stats.sentences == batch_size
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_trained_near_copy_model_equals_greedy(copy_model, batch_size):
     model, d, make_sample = copy_model
-    sample = make_sample(batch_size, seed=100 + batch_size)
-    expected = fairseq_greedy(model, d, sample, max_len_a=1.0, max_len_b=10)
     generator = iad(model, d, d, max_len_a=1.0, max_len_b=10)
-    got = generator.generate([model], sample)
-    assert_same(sample, expected, got)
-    # The copy drafter must actually help on a near-copy task.
-    assert generator.stats.tokens_per_iteration > 2.0
+    for sample in pooled(make_sample, batch_size, first_seed=100 + batch_size):
+        expected = fairseq_greedy(model, d, sample, max_len_a=1.0, max_len_b=10)
+        got = generator.generate([model], sample)
+        assert_same(sample, expected, got)
+    # The copy drafter must actually help on a near-copy task (over 64 sentences).
+    assert generator.stats.tokens_per_iteration > ENGINE_TPI
 
 
 def test_max_len_cut_offs_and_no_overlap():
@@ -84,6 +94,7 @@ def test_max_len_cut_offs_and_no_overlap():
         assert all(len(h[0]["tokens"]) <= max_len_b + 1 for h in got)
 
 
+@pytest.mark.trains
 def test_min_len_unk_penalty_prefix_and_block_size(copy_model):
     model, d, make_sample = copy_model
     sample = make_sample(8, seed=7)
@@ -116,6 +127,7 @@ class RandomDrafter(Drafter):
         return pad_drafts(drafts, self.pad, tokens.device)
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_any_draft_is_lossless(copy_model, batch_size):
     model, d, make_sample = copy_model
@@ -139,6 +151,7 @@ def test_empty_source_and_unk_in_draft():
     assert_same(sample, expected, iad(model, d, d, max_len_b=6).generate([model], sample))
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_adaptive_draft_caps_are_lossless(copy_model, batch_size):
     model, d, make_sample = copy_model
@@ -150,6 +163,7 @@ def test_adaptive_draft_caps_are_lossless(copy_model, batch_size):
         assert_same(sample, expected, generator.generate([model], sample))
 
 
+@pytest.mark.trains
 def test_ragged_prefix_with_min_len(copy_model):
     """fairseq skips the --min-len EOS bar for the whole step while the step is inside the
     prefix width, also for rows whose (shorter) prefix is padding there."""

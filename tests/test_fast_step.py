@@ -98,6 +98,7 @@ def test_fast_engine_equals_fairseq(batch_size):
     assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
 
 
+@pytest.mark.trains
 def test_guard_hands_every_close_call_to_fairseq(copy_model):
     """With a margin so wide that most positions are close calls, each is decided by fairseq's
     own search: outputs stay fairseq's, with length cut-offs and forced prefixes."""

@@ -9,7 +9,15 @@ from fairseq_pardec.generators.acceptance import TopBetaTauAcceptance
 from fairseq_pardec.generators.drafters import NARDrafter
 from fairseq_pardec.models.glat_drafter import GlatDrafterModel
 
-from helpers import by_id, fairseq_greedy, make_task, tiny_args
+from helpers import by_id, fairseq_greedy, make_dictionary, make_task, pooled, tiny_args
+
+
+# Thresholds on what a model trained in the test reaches sit about halfway between the
+# untrained baseline and the lowest value measured over CPU kernel variants (ATen AVX2 and
+# default kernels, MKL code paths, MKL_CBWR, 1 and 2 threads) and seven training seeds: a
+# training that rounds differently follows another trajectory, much as another seed does.
+# Trained GLAT drafter, 64 sentences: 1.48-2.08 tokens per iteration, untrained 1.00-1.04.
+GAD_TPI = 1.25
 
 
 def drafter_model(task, k=4, seed=0):
@@ -53,22 +61,27 @@ def gad(verifier, drafter, d, beta=1, tau=0.0, k=4):
     )
 
 
+@pytest.mark.trains
 def test_drafter_loss_decreases(trained_drafter):
     losses = trained_drafter[-1]
+    # last 20 steps' mean over the first 20's: 0.48-0.51 over the variants of GAD_TPI's comment
     assert sum(losses[-20:]) / 20 < 0.6 * sum(losses[:20]) / 20
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_gad_equals_verifier_greedy_trained_drafter(trained_drafter, batch_size):
     verifier, drafter, task, make_sample, _ = trained_drafter
     d = task.target_dictionary
-    sample = make_sample(batch_size, seed=batch_size)
-    expected = fairseq_greedy(verifier, d, sample, max_len_a=1.0, max_len_b=10)
     generator = gad(verifier, drafter, d)
-    assert by_id(sample, expected) == by_id(sample, generator.generate([verifier], sample))
-    assert generator.stats.tokens_per_iteration > 1.5  # the drafter's blocks get accepted
+    for sample in pooled(make_sample, batch_size, first_seed=batch_size):
+        expected = fairseq_greedy(verifier, d, sample, max_len_a=1.0, max_len_b=10)
+        assert by_id(sample, expected) == by_id(sample, generator.generate([verifier], sample))
+    # the drafter's blocks get accepted (over 64 sentences)
+    assert generator.stats.tokens_per_iteration > GAD_TPI
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_gad_equals_verifier_greedy_random_drafter(copy_model, batch_size):
     verifier, d, make_sample = copy_model
@@ -79,6 +92,7 @@ def test_gad_equals_verifier_greedy_random_drafter(copy_model, batch_size):
     assert by_id(sample, expected) == by_id(sample, got)
 
 
+@pytest.mark.trains
 def test_gad_plus_plus_runs_and_accepts_at_least_as_much(trained_drafter):
     verifier, drafter, task, make_sample, _ = trained_drafter
     d = task.target_dictionary
@@ -129,8 +143,8 @@ def test_glancing_schedule_and_block_sampling():
         assert prefixes[:, 0].tolist() == [2, 2]
 
 
-def test_drafter_inputs_layout(copy_model):
-    _, d, _ = copy_model
+def test_drafter_inputs_layout():
+    d = make_dictionary(30)  # the near-copy model's; no trained model needed
     model = drafter_model(make_task(d), k=3)
     prefixes = torch.tensor([[2, 7, 8, 9], [2, 5, 1, 1]])
     tokens, slots = model.draft_inputs(prefixes, torch.tensor([3, 1]), 3)
@@ -139,6 +153,7 @@ def test_drafter_inputs_layout(copy_model):
     assert slots.tolist() == [[4, 5, 6], [2, 3, 4]]
 
 
+@pytest.mark.trains
 def test_slot_logits_equal_full_decode_at_the_slots(copy_model):
     verifier, d, make_sample = copy_model
     model = drafter_model(make_task(d), k=3, seed=3)

@@ -14,6 +14,16 @@ from fairseq_pardec.models.ibdecoder import IBDecoderModel
 from helpers import collate, make_dictionary, make_task, random_batch, tiny_args, tiny_transformer
 
 
+# Thresholds on what a model trained in the test reaches sit about halfway between the
+# untrained baseline and the lowest value measured over CPU kernel variants (ATen AVX2 and
+# default kernels, MKL code paths, MKL_CBWR, 1 and 2 threads) and seven training seeds: a
+# training that rounds differently follows another trajectory, much as another seed does.
+# The copy-task IBDecoder on 64 sentences copies 31-62 exactly (16 sentences: 10-16; untrained:
+# none), at 1.69-1.91 tokens per iteration (untrained 1.81-1.89: two words per step whatever the
+# weights; left-to-right decoding: 1).
+IB_SENTENCES, IB_CORRECT, IB_TPI = 64, 16, 1.3
+
+
 def ib_model(task, h=2, c=1, positions="signed", seed=0, vanilla_mask=False, **overrides):
     torch.manual_seed(seed)
     args = tiny_args(**overrides)
@@ -131,10 +141,11 @@ def trained_ibdecoder():
     return model, d, g
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("beam", [1, 4])
 def test_trained_ibdecoder_copies(trained_ibdecoder, beam):
     model, d, g = trained_ibdecoder
-    sample = copy_pairs(d, torch.Generator().manual_seed(123), 16)
+    sample = copy_pairs(d, torch.Generator().manual_seed(123), IB_SENTENCES)
     generator = search(model, d, beam=beam, max_len_a=1.0, max_len_b=4)
     hypos = generator.generate([model], sample)
     correct = 0
@@ -142,9 +153,9 @@ def test_trained_ibdecoder_copies(trained_ibdecoder, beam):
         src = sample["net_input"]["src_tokens"][i]
         src = src[src.ne(d.pad())].tolist()
         correct += h[0]["tokens"].tolist() == src
-    assert correct >= 14, correct  # of 16
+    assert correct >= IB_CORRECT, correct  # of IB_SENTENCES
     # two words per step: about half the steps of left-to-right decoding
-    assert generator.stats.tokens_per_iteration > 1.6
+    assert generator.stats.tokens_per_iteration > IB_TPI
 
 
 @pytest.mark.parametrize("h,c,positions", [(1, 2, "vanilla"), (2, 2, "signed"), (4, 1, "signed"),

@@ -45,6 +45,7 @@ def _recording(drafter):
     return drafts
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("kind", ["iad", "lookup", "gad", "gad_cached"])
 def test_two_threads_share_one_generator(copy_model, kind):
     model, d, make_sample = copy_model
