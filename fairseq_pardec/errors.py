@@ -11,6 +11,8 @@ import os
 import re
 import sys
 
+from . import failures
+
 
 class UsageError(ValueError):
     """Bad input or options; the message names the problem and the flag that fixes it."""
@@ -33,13 +35,28 @@ _FAIRSEQ_FAILURES = (
     (AssertionError, r"--sampling requires --nbest to be equal to --beam",
      lambda m: "--sampling draws one sample per sentence: add --beam 1 (fairseq requires "
                "--nbest = --beam with --sampling)"),
+    (AssertionError, r"--temperature must be greater than 0",
+     lambda m: "--temperature must be > 0 (it divides the scores before sampling); for greedy "
+               "output drop --sampling and --temperature"),
+    (FileNotFoundError, failures.MISSING_DICTIONARY, failures.missing_dictionary),
+    (FileNotFoundError, failures.MISSING_SPLIT, failures.missing_split),
+    (Exception, failures.NO_LANGUAGE_PAIR, failures.no_language_pair),
+    (Exception, failures.TOO_LONG, failures.too_long),
 )
+
+# fairseq's failures that their text alone does not identify: where they were raised (a
+# checkpoint that fairseq's reader cannot read) or several parts of the text matter.
+_FAIRSEQ_RULES = (failures.bad_checkpoint, failures.dictionary_mismatch)
 
 
 def one_line(error):
     """The one-line message for ``error``, or None when it is not a known user error."""
     if isinstance(error, UsageError):
         return PREFIX + str(error)
+    for rule in _FAIRSEQ_RULES:
+        message = rule(error)
+        if message:
+            return PREFIX + message
     for kind, pattern, message in _FAIRSEQ_FAILURES:
         match = re.search(pattern, str(error)) if isinstance(error, kind) else None
         if match:
