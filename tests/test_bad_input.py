@@ -123,3 +123,82 @@ def test_build_generator_does_not_hide_bugs(cli_data, stock_checkpoint, monkeypa
     with pytest.raises(ValueError, match="a bug") as caught:
         task.build_generator(models, args)
     assert not isinstance(caught.value, UsageError)
+
+
+# ---------------------------------------------------------------------- files that are not what they should be
+@pytest.fixture(scope="module")
+def not_checkpoints(tmp_path_factory):
+    """Files a user may give to --path by mistake, by kind."""
+    import random
+
+    import torch
+
+    folder = tmp_path_factory.mktemp("not-checkpoints")
+    (folder / "empty.pt").write_bytes(b"")
+    (folder / "random.pt").write_bytes(bytes(random.Random(0).getrandbits(8) for _ in range(4096)))
+    (folder / "text.pt").write_text("epoch 3, best loss 2.1\n", encoding="utf-8")
+    torch.save({"weights": torch.zeros(2)}, folder / "plain.pt")
+    (folder / "dir").mkdir()
+    return folder
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("empty.pt", "is empty (0 bytes)"),
+    ("random.pt", "truncated or not a torch checkpoint"),
+    ("text.pt", "truncated or not a torch checkpoint"),
+    ("plain.pt", "is a torch file but not a fairseq checkpoint"),
+    ("dir", "is a directory, not a checkpoint file"),
+])
+def test_path_is_not_a_checkpoint(cli_data, not_checkpoints, name, needle):
+    _, data = cli_data
+    proc = generate(data, not_checkpoints / name, "--generator", "iad", check=False)
+    assert_clean_error(proc, "fairseq_pardec: error: --path %s" % (not_checkpoints / name), needle)
+    assert "weights_only" not in proc.stderr  # torch's advice would let a file run code
+
+
+@pytest.fixture(scope="module")
+def odd_data(cli_data, tmp_path_factory):
+    """Data directories that do not fit the checkpoint or lack fairseq-preprocess's files."""
+    import shutil
+
+    _, data = cli_data
+    root = tmp_path_factory.mktemp("odd-data")
+    no_dicts = root / "no-dicts"
+    no_dicts.mkdir()
+    for f in data.iterdir():
+        if f.name.startswith("test."):
+            shutil.copy(f, no_dicts / f.name)
+    small = root / "small-dicts"  # as if binarized with a dictionary of 100 types
+    shutil.copytree(data, small)
+    for side in ("src", "tgt"):
+        lines = (data / ("dict.%s.txt" % side)).read_text(encoding="utf-8").splitlines()
+        (small / ("dict.%s.txt" % side)).write_text("\n".join(lines[:96]) + "\n", encoding="utf-8")
+    return {"no-dicts": no_dicts, "small-dicts": small, "data": data}
+
+
+@pytest.mark.parametrize("folder,flags,needles", [
+    ("no-dicts", [], ["has no dictionaries", "--destdir"]),
+    ("data", ["-s", "de", "-t", "en"], ["-s/-t", "no dict.de.txt", "its languages are src, tgt"]),
+    ("data", ["--gen-subset", "foo"], ["--gen-subset foo", "no such split", "test, train, valid"]),
+    ("small-dicts", [], ["other dictionaries than this data's",
+                         "its source dictionary has 600 types, this data's has 100"]),
+])
+def test_data_that_does_not_fit(odd_data, stock_checkpoint, folder, flags, needles):
+    proc = generate(odd_data[folder], stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    *flags, check=False)
+    assert_clean_error(proc, *needles)
+
+
+def test_sampling_at_temperature_zero(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "beam",
+                    "--sampling", "--beam", 1, "--temperature", 0, check=False)
+    assert_clean_error(proc, "--temperature must be > 0")
+
+
+def test_draft_corpus_that_is_not_text(cli_data, stock_checkpoint):
+    _, data = cli_data
+    binary = data / "test.src-tgt.tgt.bin"
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "lookup",
+                    "--draft-corpus", binary, check=False)
+    assert_clean_error(proc, "--draft-corpus %s is not UTF-8 text" % binary)
