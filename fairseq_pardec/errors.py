@@ -7,6 +7,7 @@ for fairseq's CLIs (whose ``main`` is not ours) :func:`install_cli_boundary` hoo
 exception. Anything else keeps its traceback: a ``ValueError`` from a bug is not a user error.
 """
 
+import logging
 import os
 import re
 import sys
@@ -19,6 +20,7 @@ class UsageError(ValueError):
 
 
 PREFIX = "fairseq_pardec: error: "
+WARNING = "fairseq_pardec: warning: "
 
 _FAIRSEQ_CLIS = ("fairseq-generate", "fairseq-interactive", "fairseq-train", "fairseq-validate",
                  "fairseq-preprocess", "pardec-benchmark")
@@ -62,6 +64,15 @@ def one_line(error):
         if match:
             return PREFIX + message(match)
     return None
+
+
+def warn(message):
+    """One warning line: ``fairseq_pardec: warning: ...`` on a command line, a logged warning in
+    a library caller's program."""
+    if running_a_cli():
+        sys.stderr.write(WARNING + message + "\n")
+    else:
+        logging.getLogger("fairseq_pardec").warning(message)
 
 
 def running_a_cli(program=None):
