@@ -149,10 +149,13 @@ TOO_LONG = (r"Size of sample #(\d+) is invalid \(=\(%s, %s\)\) since "
 def too_long(match):
     index, source, target, max_source, max_target = match.groups()
     if int(source) > int(max_source):
+        # fairseq's own translation task cuts binarized splits only, not interactive input
+        where = (" and --task translation_pardec" if "interactive" in os.path.basename(
+            sys.argv[0] if sys.argv else "") else "")
         return ("sentence #%s has %s source tokens (EOS included), more than the %s the model "
-                "takes (--max-source-positions): cut long sources with --truncate-source, or "
+                "takes (--max-source-positions): cut long sources with --truncate-source%s, or "
                 "skip them with --skip-invalid-size-inputs-valid-test"
-                % (index, source, max_source))
+                % (index, source, max_source, where))
     return ("sentence #%s has a reference of %s tokens, more than --max-target-positions %s: "
             "skip such sentences with --skip-invalid-size-inputs-valid-test"
             % (index, target, max_target))

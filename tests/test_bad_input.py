@@ -2,14 +2,17 @@
 nothing half-written; and the error boundary: only our error class (and a few known fairseq
 failures) become one line, a bug keeps its traceback."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from fairseq_pardec.errors import UsageError, one_line, running_a_cli
 
 from test_cli import (  # noqa: F401  (fixtures)
-    PLUGIN, assert_clean_error, blockwise_checkpoint, cli_data, generate, run,
+    PLUGIN, assert_clean_error, blockwise_checkpoint, cli_data, drafter_checkpoint, generate, run,
     stock_checkpoint,
 )
 
@@ -202,3 +205,66 @@ def test_draft_corpus_that_is_not_text(cli_data, stock_checkpoint):
     proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "lookup",
                     "--draft-corpus", binary, check=False)
     assert_clean_error(proc, "--draft-corpus %s is not UTF-8 text" % binary)
+
+
+# ---------------------------------------------------------------------- flags fairseq accepts silently
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_batch_size_below_one(cli_data, stock_checkpoint, size):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    "--batch-size=" + size, check=False)
+    assert_clean_error(proc, "--batch-size must be >= 1 (got %s" % size)
+
+
+def test_bf16_that_fairseq_generate_ignores(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    "--bf16", "--cpu", "--batch-size", 16)
+    assert "fairseq_pardec: warning: --bf16 has no effect in fairseq-generate" in proc.stderr
+
+
+def test_languages_swapped_on_a_shared_dictionary(cli_data, stock_checkpoint):
+    _, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    swapped = generate(data, ckpt, "--generator", "iad", "-s", "tgt", "-t", "src", "--batch-size", 16)
+    warnings = [l for l in swapped.stderr.splitlines() if l.startswith("fairseq_pardec: warning:")]
+    assert len(warnings) == 1 and "-s tgt -t src, but the checkpoint translates src into tgt" \
+        in warnings[0], swapped.stderr[-2000:]
+    straight = generate(data, ckpt, "--generator", "iad", "-s", "src", "-t", "tgt", "--batch-size", 16)
+    assert "fairseq_pardec: warning" not in straight.stderr
+
+
+def test_drafter_given_as_the_model(cli_data, drafter_checkpoint):
+    _, data = cli_data
+    proc = generate(data, drafter_checkpoint, "--generator", "iad", check=False)
+    assert_clean_error(proc, "--path is a glat_drafter checkpoint", "--drafter-path")
+
+
+# ---------------------------------------------------------------------- fairseq-interactive's input
+def interactive(data, ckpt, *extra, input_text=None):
+    return run("fairseq_cli.interactive", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
+               "--path", ckpt, "--generator", "iad", "--source-lang", "src", "--target-lang", "tgt",
+               "--max-len-b", 10, *extra, input_text=input_text, check=False)
+
+
+def test_interactive_line_longer_than_the_model_takes(cli_data, stock_checkpoint):
+    _, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    lines = " ".join(["слово"] * 1100) + "\nЦе речення .\n"  # the model takes 1024 tokens
+    proc = interactive(data, ckpt, input_text=lines)
+    assert_clean_error(proc, "sentence #0 has 1101 source tokens", "--truncate-source")
+    cut = interactive(data, ckpt, "--truncate-source", input_text=lines)
+    assert cut.returncode == 0 and "Traceback" not in cut.stderr, cut.stderr[-2000:]
+    assert len(re.findall(r"^H-\d+\t", cut.stdout, re.M)) == 2
+
+
+def test_interactive_without_input(cli_data, stock_checkpoint, tmp_path):
+    _, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    proc = interactive(data, ckpt, "--input", tmp_path / "nope.txt")
+    assert_clean_error(proc, "--input %s: no such file" % (tmp_path / "nope.txt"))
+    closed = subprocess.run(  # standard input closed, as a daemon or `<&-` leaves it
+        [sys.executable, "-m", "fairseq_cli.interactive", str(data), "--user-dir", PLUGIN,
+         "--task", "translation_pardec", "--path", str(ckpt), "-s", "src", "-t", "tgt"],
+        stdin=None, capture_output=True, text=True, preexec_fn=lambda: os.close(0))
+    assert_clean_error(closed, "standard input, which is closed", "--input FILE")

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from fairseq import utils
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
@@ -24,6 +25,7 @@ from ..generators import GENERATORS
 from ..generators.fairseq_search import use_beam_one
 from ..generators.generation_options import GREEDY_ONLY, refuse
 from ..models.loading import mark_from_checkpoint
+from .checkpoint_fit import refuse_non_verifiers, warn_other_direction
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +230,20 @@ class TranslationPardecTask(TranslationTask):
 
     def build_model(self, cfg, from_checkpoint=False):
         if from_checkpoint:  # our models then skip their --init-from-* files (models/loading.py)
+            warn_other_direction(self.cfg, cfg)
             cfg = mark_from_checkpoint(cfg)
         return super().build_model(cfg, from_checkpoint)
+
+    def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):
+        """fairseq-interactive's sentences, cut to --max-source-positions with --truncate-source
+        (fairseq's translation task cuts only the sentences of binarized splits)."""
+        if self.cfg.truncate_source:
+            keep = self.cfg.max_source_positions
+            # fairseq keeps the first max-1 tokens and the EOS: the same cut here
+            src_tokens = [t if len(t) <= keep else torch.cat([t[: keep - 1], t[-1:]])
+                          for t in src_tokens]
+            src_lengths = [min(int(n), keep) for n in src_lengths]
+        return super().build_dataset_for_inference(src_tokens, src_lengths, constraints)
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         if hasattr(criterion, "set_update_num"):  # glancing schedule, per-update seeding
@@ -250,6 +264,7 @@ class TranslationPardecTask(TranslationTask):
         extra_gen_cls_kwargs=None,
         prefix_allowed_tokens_fn=None,
     ):
+        refuse_non_verifiers(models)
         asked = name = str(self.cfg.generator)
         if models and hasattr(models[0], "words_per_step") and name in ("beam", "greedy"):
             name = "interleaved"  # ibdecoder models emit several words per step
