@@ -83,8 +83,26 @@ def running_a_cli(program=None):
         os.path.basename(os.path.dirname(program)) == "fairseq_cli" and name.startswith(_FAIRSEQ_MODULES))
 
 
+# Exceptions that ended the command line (read at exit: a failed or interrupted run prints no
+# summary and keeps the earlier results file), and what to say when Ctrl-C ends it.
+uncaught = []
+_interrupt_reports = []
+
+
+def on_interrupt(report, first=False):
+    """Call ``report()`` when Ctrl-C ends the command line; it returns a part of the one line
+    that says so (how much was done, where the output went), or None."""
+    _interrupt_reports.insert(0, report) if first else _interrupt_reports.append(report)
+
+
+def interrupted_line():
+    parts = [part for part in (report() for report in _interrupt_reports) if part]
+    return PREFIX + "interrupted (Ctrl-C)" + (": " + "; ".join(parts) if parts else "")
+
+
 def install_cli_boundary():
-    """Print known user errors that reach the top of a fairseq CLI as one line (exit status 1).
+    """Print known user errors that reach the top of a fairseq CLI as one line (exit status 1),
+    and an interruption as one line that says how far the run got.
 
     Installed when the plugin is imported; it decides only when an exception is uncaught, and
     only for fairseq's (and our) command lines, so a library caller's program is left alone.
@@ -94,6 +112,10 @@ def install_cli_boundary():
         return
 
     def hook(kind, error, traceback):
+        uncaught.append(error)
+        if running_a_cli() and isinstance(error, KeyboardInterrupt):
+            sys.stderr.write(interrupted_line() + "\n")
+            return  # Python still exits as killed by SIGINT (status 130 in a shell)
         line = one_line(error) if running_a_cli() else None
         if line is None:
             return previous(kind, error, traceback)

@@ -12,7 +12,8 @@ import pytest
 from fairseq_pardec.errors import UsageError, one_line, running_a_cli
 
 from test_cli import (  # noqa: F401  (fixtures)
-    PLUGIN, assert_clean_error, blockwise_checkpoint, cli_data, drafter_checkpoint, generate, run,
+    N_TEST, PLUGIN, assert_clean_error, blockwise_checkpoint, cli_data, drafter_checkpoint, generate,
+    hypotheses, run,
     stock_checkpoint,
 )
 
@@ -268,3 +269,74 @@ def test_interactive_without_input(cli_data, stock_checkpoint, tmp_path):
          "--task", "translation_pardec", "--path", str(ckpt), "-s", "src", "-t", "tgt"],
         stdin=None, capture_output=True, text=True, preexec_fn=lambda: os.close(0))
     assert_clean_error(closed, "standard input, which is closed", "--input FILE")
+
+
+# ---------------------------------------------------------------------- output that was there stays
+EARLIER = "".join("H-%d\t-0.1\tan earlier run's hypothesis\n" % i for i in range(61))
+
+
+def test_results_file_of_an_earlier_run_survives_a_failed_run(cli_data, stock_checkpoint, tmp_path,
+                                                              not_checkpoints):
+    _, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    results = tmp_path / "results"
+    results.mkdir()
+    earlier = results / "generate-test.txt"
+    earlier.write_text(EARLIER, encoding="utf-8")
+    refused = generate(data, ckpt, "--generator", "iad", "--beam", 5, "--results-path", results,
+                       check=False)
+    assert_clean_error(refused, "drop --beam 5")
+    unreadable = generate(data, not_checkpoints / "empty.pt", "--generator", "iad",
+                          "--results-path", results, check=False)
+    assert_clean_error(unreadable, "is empty (0 bytes)")
+    assert earlier.read_text(encoding="utf-8") == EARLIER
+    assert sorted(p.name for p in results.iterdir()) == ["generate-test.txt"]
+    generate(data, ckpt, "--generator", "iad", "--results-path", results)  # completes: replaces it
+    assert len(hypotheses(earlier.read_text(encoding="utf-8"))) == N_TEST
+    assert sorted(p.name for p in results.iterdir()) == ["generate-test.txt"]
+
+
+def test_results_path_under_a_file(cli_data, stock_checkpoint, tmp_path):
+    _, data = cli_data
+    (tmp_path / "a-file").write_text("x", encoding="utf-8")
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    "--results-path", tmp_path / "a-file" / "out", check=False)
+    assert_clean_error(proc, "--results-path", "%s is a file, not a directory" % (tmp_path / "a-file"))
+
+
+def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_checkpoint, tmp_path):
+    import signal
+    import time
+
+    _, data = cli_data
+    results = tmp_path / "results"
+    results.mkdir()
+    earlier = results / "generate-train.txt"
+    earlier.write_text(EARLIER, encoding="utf-8")
+    partial = results / "generate-train.partial.txt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # 300 sentences one at a time: far from done when the signal comes
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fairseq_cli.generate", str(data), "--user-dir", PLUGIN, "--path",
+         str(stock_checkpoint / "checkpoint_last.pt"), "--task", "translation_pardec",
+         "--generator", "iad", "--gen-subset", "train", "--batch-size", "1", "--max-len-b", "100",
+         "--results-path", str(results)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    began = time.time()
+    while time.time() - began < 300 and proc.poll() is None:
+        text = earlier.read_text(encoding="utf-8", errors="replace") if earlier.exists() else ""
+        if text != EARLIER and len(hypotheses(text)) >= 2:
+            break  # this run's file, under the name of the earlier one (moved aside meanwhile)
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert "pardec generator=" not in stderr  # no summary of a run that did not finish
+    lines = [l for l in stderr.splitlines() if "interrupted (Ctrl-C)" in l]
+    assert len(lines) == 1, stderr[-2000:]
+    written = len(hypotheses(partial.read_text(encoding="utf-8")))
+    assert 2 <= written < 300
+    assert "%d hypotheses written to %s" % (written, partial) in lines[0]
+    assert "of 300 sentences decoded" in lines[0]
+    assert earlier.read_text(encoding="utf-8") == EARLIER

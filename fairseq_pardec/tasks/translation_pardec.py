@@ -20,6 +20,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from .. import errors
 from ..errors import UsageError
 from ..generators import GENERATORS
 from ..generators.fairseq_search import use_beam_one
@@ -155,20 +156,34 @@ class _SummaryReporter:
     """Logs each CLI generator's statistics once, when the process ends.
 
     fairseq-generate offers no hook after its loop, and its own summary is logged just before
-    the process exits, so ours follows it.
+    the process exits, so ours follows it. A run that an exception or Ctrl-C ended gets no
+    summary (it would read as a complete run); Ctrl-C's line says how far it got instead.
     """
 
-    def __init__(self):
+    def __init__(self, task):
+        self.task = task
         self.generators = []
         atexit.register(self.report)
+        errors.on_interrupt(self.interrupted, first=True)
 
     def add(self, name, generator):
         self.generators.append((name, generator))
 
     def report(self):
+        if errors.uncaught:
+            return
         for name, generator in self.generators:
             if generator.stats.sentences:
                 logger.info(generator.stats.summary_line(name))
+
+    def interrupted(self):
+        decoded = sum(generator.stats.sentences for _, generator in self.generators)
+        names = ", ".join(dict.fromkeys(name for name, _ in self.generators))
+        # fairseq-generate loads one split; fairseq-interactive none
+        splits = list(self.task.datasets.values())
+        of = " of %d" % len(splits[0]) if len(splits) == 1 else ""
+        return "%d%s sentences decoded (--generator %s), the output is incomplete" % (
+            decoded, of, names)
 
 
 _reporter = None
@@ -288,7 +303,7 @@ class TranslationPardecTask(TranslationTask):
         if self.report_summary:
             global _reporter
             if _reporter is None:
-                _reporter = _SummaryReporter()
+                _reporter = _SummaryReporter(self)
             _reporter.add(name, generator)
         return generator
 
