@@ -79,8 +79,10 @@ def running_a_cli(program=None):
     """Whether this process is one of fairseq's command lines (or ours)."""
     program = sys.argv[0] if program is None and sys.argv else program or ""
     name = os.path.basename(program)
+    folder = os.path.basename(os.path.dirname(program))
     return name.startswith(_FAIRSEQ_CLIS) or (
-        os.path.basename(os.path.dirname(program)) == "fairseq_cli" and name.startswith(_FAIRSEQ_MODULES))
+        folder == "fairseq_cli" and name.startswith(_FAIRSEQ_MODULES)) or (
+        folder == "fairseq_pardec" and name == "benchmark.py")  # python -m fairseq_pardec.benchmark
 
 
 # Exceptions that ended the command line (read at exit: a failed or interrupted run prints no

@@ -340,3 +340,36 @@ def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_chec
     assert "%d hypotheses written to %s" % (written, partial) in lines[0]
     assert "of 300 sentences decoded" in lines[0]
     assert earlier.read_text(encoding="utf-8") == EARLIER
+
+
+# ---------------------------------------------------------------------- the benchmark
+@pytest.mark.parametrize("flags,needles", [
+    (["--generators", "greedy", "foo"], ["--generators foo: no generator 'foo'", "iad"]),
+    (["--generators", "iad:block_size=abc"], ["iad:block_size=abc", "expected an integer"]),
+    (["--generators", "iad:frobnicate=3"], ["iad:frobnicate=3: frobnicate is not an option"]),
+    (["--generators", "iad:block_size=0"], ["block_size must be >= 1"]),
+    (["--out-dir", "A-FILE/out"], ["--out-dir", "cannot be made"]),
+    (["--path", "EMPTY"], ["--path", "is empty (0 bytes)"]),
+])
+def test_benchmark_bad_input(cli_data, stock_checkpoint, not_checkpoints, tmp_path, flags, needles):
+    """Refused before anything is decoded (results are written only at the end)."""
+    _, data = cli_data
+    (tmp_path / "a-file").write_text("x", encoding="utf-8")
+    swap = {"A-FILE/out": tmp_path / "a-file" / "out", "EMPTY": not_checkpoints / "empty.pt"}
+    args = {"--path": stock_checkpoint / "checkpoint_last.pt", "--out-dir": tmp_path / "bench",
+            "--generators": "greedy"}
+    given = dict(args)
+    i = 0
+    while i < len(flags):  # a flag and its values up to the next flag
+        j = i + 1
+        while j < len(flags) and not flags[j].startswith("--"):
+            j += 1
+        given[flags[i]] = [swap.get(v, v) for v in flags[i + 1:j]]
+        i = j
+    argv = [data, "--batch-sizes", 2, "--repeats", 3, "--max-sentences", 4, "--max-len-b", 8,
+            "--threads", 1, "--no-progress"]
+    for flag, value in given.items():
+        argv += [flag, *(value if isinstance(value, list) else [value])]
+    proc = run("fairseq_pardec.benchmark", *argv, check=False)
+    assert_clean_error(proc, *needles)
+    assert not (tmp_path / "bench" / "results.json").exists()
