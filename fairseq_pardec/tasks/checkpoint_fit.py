@@ -12,11 +12,16 @@ from ..errors import UsageError, warn
 
 
 def refuse_non_verifiers(models):
-    """A glat_drafter proposes blocks for a verifier; it is no translation model of its own."""
+    """A glat_drafter proposes blocks for a verifier; it is no translation model of its own.
+
+    Only a drafter loaded from a checkpoint is refused: training one with ``--eval-bleu`` builds
+    a generator for the new model, and that is fairseq's business.
+    """
     from ..models.glat_drafter import GlatDrafterModel
+    from ..models.loading import built_from_checkpoint
 
     for model in models:
-        if isinstance(model, GlatDrafterModel):
+        if isinstance(model, GlatDrafterModel) and built_from_checkpoint(model.args):
             raise UsageError(
                 "--path is a glat_drafter checkpoint: a drafter, which cannot translate by itself; "
                 "give --path the translation model (the verifier) and the drafter to "
