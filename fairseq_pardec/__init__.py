@@ -1,7 +1,7 @@
 """fairseq_pardec: parallel decoding methods for fairseq seq2seq Transformers (--user-dir plugin)."""
 
 from . import compat  # noqa: F401  (first: safe checkpoint loading on torch >= 2.6)
-from . import cli_checks
+from . import cli_checks, results_file
 from .errors import install_cli_boundary, running_a_cli
 
 # What the command lines need changes process-wide state (the exception hook, the root
@@ -15,7 +15,8 @@ from . import generators  # noqa: F401,E402
 from . import models  # noqa: F401,E402
 from . import tasks  # noqa: F401,E402
 
-cli_checks.check_argv()  # our task's flags without --task translation_pardec
+cli_checks.check_argv()  # our task's flags without --task translation_pardec, ...
+results_file.guard()  # fairseq-generate --results-path: the earlier file survives a failed run
 
 if running_a_cli():
     compat.restore_log_level()  # after the imports above have imported fairseq

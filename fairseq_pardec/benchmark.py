@@ -24,7 +24,8 @@ from argparse import Namespace
 
 import torch
 
-from fairseq_pardec.errors import PREFIX, UsageError
+from fairseq_pardec.benchmark_specs import check_spec
+from fairseq_pardec.errors import PREFIX, UsageError, one_line, warn
 
 logger = logging.getLogger("fairseq_pardec.benchmark")
 
@@ -52,6 +53,7 @@ def parse_spec(spec):
             options[key.replace("-", "_")] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             options[key.replace("-", "_")] = value
+    check_spec(spec, options)
     if name == "beam" and "beam" not in options:
         options["beam"] = 5
     label = options.pop("label", None)
@@ -511,11 +513,28 @@ def get_parser():
 
 
 def cli_main(argv=None):
-    """The command line: errors of ours become one line (exit status 1), as in fairseq's CLIs."""
+    """The command line: errors of ours, and fairseq's known failures on bad files, become one
+    line (exit status 1), as in fairseq's CLIs; anything else keeps its traceback."""
     try:
         return main(get_parser().parse_args(argv))
-    except UsageError as error:
-        raise SystemExit(PREFIX + str(error)) from None
+    except Exception as error:
+        line = one_line(error)
+        if line is None:
+            raise
+        raise SystemExit(line) from None
+
+
+def make_out_dir(path):
+    """--out-dir, made and checked before anything is decoded: results are written only at the
+    end, and a folder that cannot be made there would lose all of them."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise UsageError("--out-dir %s cannot be made (%s); give a directory that can be written"
+                         % (path, error.strerror or error)) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError("--out-dir %s is not writable; give a directory that can be written"
+                         % path)
 
 
 def main(args):
@@ -525,6 +544,15 @@ def main(args):
         raise UsageError("data directory %r does not exist" % args.data)
     if not os.path.isfile(args.path):
         raise UsageError("checkpoint %r does not exist (--path)" % args.path)
+    for spec in args.generators:  # before minutes of loading and decoding
+        parse_spec(spec)
+    make_out_dir(args.out_dir)
+    if args.repeats < 3:
+        # the first timed round still pays one-time costs (allocator growth, thread pools) that
+        # one warm-up batch does not settle; the median of three or more discounts it
+        warn("--repeats %d: the timings are from %s, which may still include one-time costs; "
+             "use --repeats 3 or more for timings to compare"
+             % (args.repeats, "one run" if args.repeats == 1 else "%d runs" % args.repeats))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from .compat import restore_log_level
 

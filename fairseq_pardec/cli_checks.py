@@ -5,10 +5,10 @@ Without ``--task translation_pardec`` our task's flags are unknown to fairseq, w
 "unrecognized arguments" without saying which task they belong to.
 """
 
+import os
 import sys
 
-from .errors import UsageError, running_a_cli
-
+from .errors import UsageError, running_a_cli, warn
 
 
 def task_flags():
@@ -33,10 +33,69 @@ def _task(argv):
     return None
 
 
+def values(argv, *flags):
+    """(flag, value) of each ``--flag value`` or ``--flag=value`` in ``argv``, in order."""
+    found = []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in flags:
+            if eq:
+                found.append((flag, value))
+            elif i + 1 < len(argv):
+                found.append((flag, argv[i + 1]))
+    return found
+
+
+def program(argv):
+    """``generate``, ``interactive``, ... of a fairseq CLI's ``argv[0]`` (either spelling)."""
+    name = os.path.basename(argv[0]) if argv else ""
+    return name.replace("fairseq-", "").replace(".py", "")
+
+
+# fairseq reads 0 (and a negative size) as "no limit": a typo would batch the whole split
+_SIZES = ("--batch-size", "--max-sentences", "--max-tokens", "--batch-size-valid",
+          "--max-tokens-valid")
+
+
+def check_sizes(argv):
+    for flag, value in values(argv, *_SIZES):
+        try:
+            number = int(value)
+        except ValueError:
+            continue  # fairseq's parser names it
+        if number < 1:
+            raise UsageError("%s must be >= 1 (got %d; fairseq would read it as no limit): give "
+                             "a positive size, or leave the flag out" % (flag, number))
+
+
+def check_precision(argv):
+    """fairseq-generate and fairseq-interactive convert the model for --fp16 only."""
+    if program(argv) in ("generate", "interactive") and "--bf16" in argv:
+        warn("--bf16 has no effect in fairseq-%s (it converts the model for --fp16 only): this "
+             "run decodes in float32; the benchmark's --bf16 decodes in bfloat16" % program(argv))
+
+
+def check_interactive_input(argv):
+    if program(argv) != "interactive":
+        return
+    given = values(argv, "--input")
+    source = given[-1][1] if given else "-"
+    if source == "-":
+        if sys.stdin is None or sys.stdin.closed:
+            raise UsageError("fairseq-interactive reads sentences from standard input, which is "
+                             "closed: pipe them in, or give a file with --input FILE")
+    elif not os.path.isfile(source):
+        raise UsageError("--input %s: %s" % (source, "a directory, not a file"
+                                             if os.path.isdir(source) else "no such file"))
+
+
 def check_argv(argv=None):
     argv = sys.argv if argv is None else argv
     if not argv or not running_a_cli(argv[0]):
         return
+    check_sizes(argv)
+    check_precision(argv)
+    check_interactive_input(argv)
     used = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in task_flags()]
     if used and _task(argv) != "translation_pardec":
         raise UsageError(

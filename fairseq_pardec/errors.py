@@ -7,9 +7,12 @@ for fairseq's CLIs (whose ``main`` is not ours) :func:`install_cli_boundary` hoo
 exception. Anything else keeps its traceback: a ``ValueError`` from a bug is not a user error.
 """
 
+import logging
 import os
 import re
 import sys
+
+from . import failures
 
 
 class UsageError(ValueError):
@@ -17,6 +20,7 @@ class UsageError(ValueError):
 
 
 PREFIX = "fairseq_pardec: error: "
+WARNING = "fairseq_pardec: warning: "
 
 _FAIRSEQ_CLIS = ("fairseq-generate", "fairseq-interactive", "fairseq-train", "fairseq-validate",
                  "fairseq-preprocess", "pardec-benchmark")
@@ -33,13 +37,28 @@ _FAIRSEQ_FAILURES = (
     (AssertionError, r"--sampling requires --nbest to be equal to --beam",
      lambda m: "--sampling draws one sample per sentence: add --beam 1 (fairseq requires "
                "--nbest = --beam with --sampling)"),
+    (AssertionError, r"--temperature must be greater than 0",
+     lambda m: "--temperature must be > 0 (it divides the scores before sampling); for greedy "
+               "output drop --sampling and --temperature"),
+    (FileNotFoundError, failures.MISSING_DICTIONARY, failures.missing_dictionary),
+    (FileNotFoundError, failures.MISSING_SPLIT, failures.missing_split),
+    (Exception, failures.NO_LANGUAGE_PAIR, failures.no_language_pair),
+    (Exception, failures.TOO_LONG, failures.too_long),
 )
+
+# fairseq's failures that their text alone does not identify: where they were raised (a
+# checkpoint that fairseq's reader cannot read) or several parts of the text matter.
+_FAIRSEQ_RULES = (failures.bad_checkpoint, failures.dictionary_mismatch)
 
 
 def one_line(error):
     """The one-line message for ``error``, or None when it is not a known user error."""
     if isinstance(error, UsageError):
         return PREFIX + str(error)
+    for rule in _FAIRSEQ_RULES:
+        message = rule(error)
+        if message:
+            return PREFIX + message
     for kind, pattern, message in _FAIRSEQ_FAILURES:
         match = re.search(pattern, str(error)) if isinstance(error, kind) else None
         if match:
@@ -47,16 +66,45 @@ def one_line(error):
     return None
 
 
+def warn(message):
+    """One warning line: ``fairseq_pardec: warning: ...`` on a command line, a logged warning in
+    a library caller's program."""
+    if running_a_cli():
+        sys.stderr.write(WARNING + message + "\n")
+    else:
+        logging.getLogger("fairseq_pardec").warning(message)
+
+
 def running_a_cli(program=None):
     """Whether this process is one of fairseq's command lines (or ours)."""
     program = sys.argv[0] if program is None and sys.argv else program or ""
     name = os.path.basename(program)
+    folder = os.path.basename(os.path.dirname(program))
     return name.startswith(_FAIRSEQ_CLIS) or (
-        os.path.basename(os.path.dirname(program)) == "fairseq_cli" and name.startswith(_FAIRSEQ_MODULES))
+        folder == "fairseq_cli" and name.startswith(_FAIRSEQ_MODULES)) or (
+        folder == "fairseq_pardec" and name == "benchmark.py")  # python -m fairseq_pardec.benchmark
+
+
+# Exceptions that ended the command line (read at exit: a failed or interrupted run prints no
+# summary and keeps the earlier results file), and what to say when Ctrl-C ends it.
+uncaught = []
+_interrupt_reports = []
+
+
+def on_interrupt(report, first=False):
+    """Call ``report()`` when Ctrl-C ends the command line; it returns a part of the one line
+    that says so (how much was done, where the output went), or None."""
+    _interrupt_reports.insert(0, report) if first else _interrupt_reports.append(report)
+
+
+def interrupted_line():
+    parts = [part for part in (report() for report in _interrupt_reports) if part]
+    return PREFIX + "interrupted (Ctrl-C)" + (": " + "; ".join(parts) if parts else "")
 
 
 def install_cli_boundary():
-    """Print known user errors that reach the top of a fairseq CLI as one line (exit status 1).
+    """Print known user errors that reach the top of a fairseq CLI as one line (exit status 1),
+    and an interruption as one line that says how far the run got.
 
     Installed when the plugin is imported; it decides only when an exception is uncaught, and
     only for fairseq's (and our) command lines, so a library caller's program is left alone.
@@ -66,6 +114,10 @@ def install_cli_boundary():
         return
 
     def hook(kind, error, traceback):
+        uncaught.append(error)
+        if running_a_cli() and isinstance(error, KeyboardInterrupt):
+            sys.stderr.write(interrupted_line() + "\n")
+            return  # Python still exits as killed by SIGINT (status 130 in a shell)
         line = one_line(error) if running_a_cli() else None
         if line is None:
             return previous(kind, error, traceback)

@@ -2,14 +2,18 @@
 nothing half-written; and the error boundary: only our error class (and a few known fairseq
 failures) become one line, a bug keeps its traceback."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from fairseq_pardec.errors import UsageError, one_line, running_a_cli
 
 from test_cli import (  # noqa: F401  (fixtures)
-    PLUGIN, assert_clean_error, blockwise_checkpoint, cli_data, generate, run,
+    N_TEST, PLUGIN, assert_clean_error, blockwise_checkpoint, cli_data, drafter_checkpoint, generate,
+    hypotheses, run,
     stock_checkpoint,
 )
 
@@ -123,3 +127,249 @@ def test_build_generator_does_not_hide_bugs(cli_data, stock_checkpoint, monkeypa
     with pytest.raises(ValueError, match="a bug") as caught:
         task.build_generator(models, args)
     assert not isinstance(caught.value, UsageError)
+
+
+# ---------------------------------------------------------------------- files that are not what they should be
+@pytest.fixture(scope="module")
+def not_checkpoints(tmp_path_factory):
+    """Files a user may give to --path by mistake, by kind."""
+    import random
+
+    import torch
+
+    folder = tmp_path_factory.mktemp("not-checkpoints")
+    (folder / "empty.pt").write_bytes(b"")
+    (folder / "random.pt").write_bytes(bytes(random.Random(0).getrandbits(8) for _ in range(4096)))
+    (folder / "text.pt").write_text("epoch 3, best loss 2.1\n", encoding="utf-8")
+    torch.save({"weights": torch.zeros(2)}, folder / "plain.pt")
+    (folder / "dir").mkdir()
+    return folder
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("empty.pt", "is empty (0 bytes)"),
+    ("random.pt", "truncated or not a torch checkpoint"),
+    ("text.pt", "truncated or not a torch checkpoint"),
+    ("plain.pt", "is a torch file but not a fairseq checkpoint"),
+    ("dir", "is a directory, not a checkpoint file"),
+])
+def test_path_is_not_a_checkpoint(cli_data, not_checkpoints, name, needle):
+    _, data = cli_data
+    proc = generate(data, not_checkpoints / name, "--generator", "iad", check=False)
+    assert_clean_error(proc, "fairseq_pardec: error: --path %s" % (not_checkpoints / name), needle)
+    assert "weights_only" not in proc.stderr  # torch's advice would let a file run code
+
+
+@pytest.fixture(scope="module")
+def odd_data(cli_data, tmp_path_factory):
+    """Data directories that do not fit the checkpoint or lack fairseq-preprocess's files."""
+    import shutil
+
+    _, data = cli_data
+    root = tmp_path_factory.mktemp("odd-data")
+    no_dicts = root / "no-dicts"
+    no_dicts.mkdir()
+    for f in data.iterdir():
+        if f.name.startswith("test."):
+            shutil.copy(f, no_dicts / f.name)
+    small = root / "small-dicts"  # as if binarized with a dictionary of 100 types
+    shutil.copytree(data, small)
+    for side in ("src", "tgt"):
+        lines = (data / ("dict.%s.txt" % side)).read_text(encoding="utf-8").splitlines()
+        (small / ("dict.%s.txt" % side)).write_text("\n".join(lines[:96]) + "\n", encoding="utf-8")
+    return {"no-dicts": no_dicts, "small-dicts": small, "data": data}
+
+
+@pytest.mark.parametrize("folder,flags,needles", [
+    ("no-dicts", [], ["has no dictionaries", "--destdir"]),
+    ("data", ["-s", "de", "-t", "en"], ["-s/-t", "no dict.de.txt", "its languages are src, tgt"]),
+    ("data", ["--gen-subset", "foo"], ["--gen-subset foo", "no such split", "test, train, valid"]),
+    ("small-dicts", [], ["other dictionaries than this data's",
+                         "its source dictionary has 600 types, this data's has 100"]),
+])
+def test_data_that_does_not_fit(odd_data, stock_checkpoint, folder, flags, needles):
+    proc = generate(odd_data[folder], stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    *flags, check=False)
+    assert_clean_error(proc, *needles)
+
+
+def test_sampling_at_temperature_zero(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "beam",
+                    "--sampling", "--beam", 1, "--temperature", 0, check=False)
+    assert_clean_error(proc, "--temperature must be > 0")
+
+
+def test_draft_corpus_that_is_not_text(cli_data, stock_checkpoint):
+    _, data = cli_data
+    binary = data / "test.src-tgt.tgt.bin"
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "lookup",
+                    "--draft-corpus", binary, check=False)
+    assert_clean_error(proc, "--draft-corpus %s is not UTF-8 text" % binary)
+
+
+# ---------------------------------------------------------------------- flags fairseq accepts silently
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_batch_size_below_one(cli_data, stock_checkpoint, size):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    "--batch-size=" + size, check=False)
+    assert_clean_error(proc, "--batch-size must be >= 1 (got %s" % size)
+
+
+def test_bf16_that_fairseq_generate_ignores(cli_data, stock_checkpoint):
+    _, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    "--bf16", "--cpu", "--batch-size", 16)
+    assert "fairseq_pardec: warning: --bf16 has no effect in fairseq-generate" in proc.stderr
+
+
+def test_languages_swapped_on_a_shared_dictionary(cli_data, stock_checkpoint):
+    _, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    swapped = generate(data, ckpt, "--generator", "iad", "-s", "tgt", "-t", "src", "--batch-size", 16)
+    warnings = [l for l in swapped.stderr.splitlines() if l.startswith("fairseq_pardec: warning:")]
+    assert len(warnings) == 1 and "-s tgt -t src, but the checkpoint translates src into tgt" \
+        in warnings[0], swapped.stderr[-2000:]
+    straight = generate(data, ckpt, "--generator", "iad", "-s", "src", "-t", "tgt", "--batch-size", 16)
+    assert "fairseq_pardec: warning" not in straight.stderr
+
+
+def test_drafter_given_as_the_model(cli_data, drafter_checkpoint):
+    _, data = cli_data
+    proc = generate(data, drafter_checkpoint, "--generator", "iad", check=False)
+    assert_clean_error(proc, "--path is a glat_drafter checkpoint", "--drafter-path")
+
+
+# ---------------------------------------------------------------------- fairseq-interactive's input
+def interactive(data, ckpt, *extra, input_text=None):
+    return run("fairseq_cli.interactive", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
+               "--path", ckpt, "--generator", "iad", "--source-lang", "src", "--target-lang", "tgt",
+               "--max-len-b", 10, *extra, input_text=input_text, check=False)
+
+
+def test_interactive_line_longer_than_the_model_takes(cli_data, stock_checkpoint):
+    _, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    lines = " ".join(["слово"] * 1100) + "\nЦе речення .\n"  # the model takes 1024 tokens
+    proc = interactive(data, ckpt, input_text=lines)
+    assert_clean_error(proc, "sentence #0 has 1101 source tokens", "--truncate-source")
+    cut = interactive(data, ckpt, "--truncate-source", input_text=lines)
+    assert cut.returncode == 0 and "Traceback" not in cut.stderr, cut.stderr[-2000:]
+    assert len(re.findall(r"^H-\d+\t", cut.stdout, re.M)) == 2
+
+
+def test_interactive_without_input(cli_data, stock_checkpoint, tmp_path):
+    _, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    proc = interactive(data, ckpt, "--input", tmp_path / "nope.txt")
+    assert_clean_error(proc, "--input %s: no such file" % (tmp_path / "nope.txt"))
+    closed = subprocess.run(  # standard input closed, as a daemon or `<&-` leaves it
+        [sys.executable, "-m", "fairseq_cli.interactive", str(data), "--user-dir", PLUGIN,
+         "--task", "translation_pardec", "--path", str(ckpt), "-s", "src", "-t", "tgt"],
+        stdin=None, capture_output=True, text=True, preexec_fn=lambda: os.close(0))
+    assert_clean_error(closed, "standard input, which is closed", "--input FILE")
+
+
+# ---------------------------------------------------------------------- output that was there stays
+EARLIER = "".join("H-%d\t-0.1\tan earlier run's hypothesis\n" % i for i in range(61))
+
+
+def test_results_file_of_an_earlier_run_survives_a_failed_run(cli_data, stock_checkpoint, tmp_path,
+                                                              not_checkpoints):
+    _, data = cli_data
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    results = tmp_path / "results"
+    results.mkdir()
+    earlier = results / "generate-test.txt"
+    earlier.write_text(EARLIER, encoding="utf-8")
+    refused = generate(data, ckpt, "--generator", "iad", "--beam", 5, "--results-path", results,
+                       check=False)
+    assert_clean_error(refused, "drop --beam 5")
+    unreadable = generate(data, not_checkpoints / "empty.pt", "--generator", "iad",
+                          "--results-path", results, check=False)
+    assert_clean_error(unreadable, "is empty (0 bytes)")
+    assert earlier.read_text(encoding="utf-8") == EARLIER
+    assert sorted(p.name for p in results.iterdir()) == ["generate-test.txt"]
+    generate(data, ckpt, "--generator", "iad", "--results-path", results)  # completes: replaces it
+    assert len(hypotheses(earlier.read_text(encoding="utf-8"))) == N_TEST
+    assert sorted(p.name for p in results.iterdir()) == ["generate-test.txt"]
+
+
+def test_results_path_under_a_file(cli_data, stock_checkpoint, tmp_path):
+    _, data = cli_data
+    (tmp_path / "a-file").write_text("x", encoding="utf-8")
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    "--results-path", tmp_path / "a-file" / "out", check=False)
+    assert_clean_error(proc, "--results-path", "%s is a file, not a directory" % (tmp_path / "a-file"))
+
+
+def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_checkpoint, tmp_path):
+    import signal
+    import time
+
+    _, data = cli_data
+    results = tmp_path / "results"
+    results.mkdir()
+    earlier = results / "generate-train.txt"
+    earlier.write_text(EARLIER, encoding="utf-8")
+    partial = results / "generate-train.partial.txt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # 300 sentences one at a time: far from done when the signal comes
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fairseq_cli.generate", str(data), "--user-dir", PLUGIN, "--path",
+         str(stock_checkpoint / "checkpoint_last.pt"), "--task", "translation_pardec",
+         "--generator", "iad", "--gen-subset", "train", "--batch-size", "1", "--max-len-b", "100",
+         "--results-path", str(results)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    began = time.time()
+    while time.time() - began < 300 and proc.poll() is None:
+        text = earlier.read_text(encoding="utf-8", errors="replace") if earlier.exists() else ""
+        if text != EARLIER and len(hypotheses(text)) >= 2:
+            break  # this run's file, under the name of the earlier one (moved aside meanwhile)
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert "pardec generator=" not in stderr  # no summary of a run that did not finish
+    lines = [l for l in stderr.splitlines() if "interrupted (Ctrl-C)" in l]
+    assert len(lines) == 1, stderr[-2000:]
+    written = len(hypotheses(partial.read_text(encoding="utf-8")))
+    assert 2 <= written < 300
+    assert "%d hypotheses written to %s" % (written, partial) in lines[0]
+    assert "of 300 sentences decoded" in lines[0]
+    assert earlier.read_text(encoding="utf-8") == EARLIER
+
+
+# ---------------------------------------------------------------------- the benchmark
+@pytest.mark.parametrize("flags,needles", [
+    (["--generators", "greedy", "foo"], ["--generators foo: no generator 'foo'", "iad"]),
+    (["--generators", "iad:block_size=abc"], ["iad:block_size=abc", "expected an integer"]),
+    (["--generators", "iad:frobnicate=3"], ["iad:frobnicate=3: frobnicate is not an option"]),
+    (["--generators", "iad:block_size=0"], ["block_size must be >= 1"]),
+    (["--out-dir", "A-FILE/out"], ["--out-dir", "cannot be made"]),
+    (["--path", "EMPTY"], ["--path", "is empty (0 bytes)"]),
+])
+def test_benchmark_bad_input(cli_data, stock_checkpoint, not_checkpoints, tmp_path, flags, needles):
+    """Refused before anything is decoded (results are written only at the end)."""
+    _, data = cli_data
+    (tmp_path / "a-file").write_text("x", encoding="utf-8")
+    swap = {"A-FILE/out": tmp_path / "a-file" / "out", "EMPTY": not_checkpoints / "empty.pt"}
+    args = {"--path": stock_checkpoint / "checkpoint_last.pt", "--out-dir": tmp_path / "bench",
+            "--generators": "greedy"}
+    given = dict(args)
+    i = 0
+    while i < len(flags):  # a flag and its values up to the next flag
+        j = i + 1
+        while j < len(flags) and not flags[j].startswith("--"):
+            j += 1
+        given[flags[i]] = [swap.get(v, v) for v in flags[i + 1:j]]
+        i = j
+    argv = [data, "--batch-sizes", 2, "--repeats", 3, "--max-sentences", 4, "--max-len-b", 8,
+            "--threads", 1, "--no-progress"]
+    for flag, value in given.items():
+        argv += [flag, *(value if isinstance(value, list) else [value])]
+    proc = run("fairseq_pardec.benchmark", *argv, check=False)
+    assert_clean_error(proc, *needles)
+    assert not (tmp_path / "bench" / "results.json").exists()

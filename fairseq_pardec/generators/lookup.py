@@ -117,6 +117,28 @@ class NgramTable:
         if not os.path.isfile(path):
             raise UsageError("--draft-corpus %s: no such file" % path)
         began = time.time()
+        try:
+            sentences, tokens, unknown = cls._read(path, dictionary)
+        except UnicodeDecodeError as error:
+            raise UsageError("--draft-corpus %s is not UTF-8 text (byte %d cannot be decoded): "
+                             "give a text file of target-side sentences, one per line"
+                             % (path, error.start)) from None
+        if not sentences:
+            raise UsageError("--draft-corpus %s has no sentences" % path)
+        if unknown > tokens / 2:
+            raise UsageError(
+                "--draft-corpus %s: %d of its %d tokens are not in the target dictionary; give "
+                "target-side text in the model's subword units (what fairseq-preprocess read)"
+                % (path, unknown, tokens))
+        table = cls(sentences, len(dictionary), dictionary.eos(), dictionary.eos(), order)
+        logger.info("lookup drafter: n-gram table of %s (%d sentences, %d tokens, order %d, "
+                    "%d contexts) built in %.1fs", path, len(sentences), tokens, table.order,
+                    sum(len(t) for t in table.tables), time.time() - began)
+        return table
+
+    @classmethod
+    def _read(cls, path, dictionary):
+        """(token id lists, tokens, unknown tokens) of the file's first ``MAX_TOKENS`` tokens."""
         sentences, tokens, unknown = [], 0, 0
         unk, index = dictionary.unk(), dictionary.indices
         with open(path, encoding="utf-8") as text:
@@ -133,18 +155,7 @@ class NgramTable:
                 sentences.append(ids)
                 tokens += len(ids)
                 unknown += sum(1 for t in ids if t == unk)
-        if not sentences:
-            raise UsageError("--draft-corpus %s has no sentences" % path)
-        if unknown > tokens / 2:
-            raise UsageError(
-                "--draft-corpus %s: %d of its %d tokens are not in the target dictionary; give "
-                "target-side text in the model's subword units (what fairseq-preprocess read)"
-                % (path, unknown, tokens))
-        table = cls(sentences, len(dictionary), dictionary.eos(), dictionary.eos(), order)
-        logger.info("lookup drafter: n-gram table of %s (%d sentences, %d tokens, order %d, "
-                    "%d contexts) built in %.1fs", path, len(sentences), tokens, table.order,
-                    sum(len(t) for t in table.tables), time.time() - began)
-        return table
+        return sentences, tokens, unknown
 
 
 class LookupDrafter(CopyDrafter):

@@ -14,16 +14,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from fairseq import utils
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from .. import errors
 from ..errors import UsageError, running_a_cli
 from ..generators import GENERATORS
 from ..generators.fairseq_search import use_beam_one
 from ..generators.generation_options import GREEDY_ONLY, refuse
 from ..models.loading import mark_from_checkpoint
+from .checkpoint_fit import refuse_non_verifiers, warn_other_direction
 
 logger = logging.getLogger(__name__)
 
@@ -153,21 +156,35 @@ class _SummaryReporter:
     """Logs each CLI generator's statistics once, when the process ends.
 
     fairseq-generate offers no hook after its loop, and its own summary is logged just before
-    the process exits, so ours follows it.
+    the process exits, so ours follows it. A run that an exception or Ctrl-C ended gets no
+    summary (it would read as a complete run); Ctrl-C's line says how far it got instead.
     """
 
-    def __init__(self):
+    def __init__(self, task):
+        self.task = task
         self.stats = []
         atexit.register(self.report)
+        errors.on_interrupt(self.interrupted, first=True)
 
     def add(self, name, generator):
         # the statistics only: holding the generator would keep its models alive
         self.stats.append((name, generator.stats))
 
     def report(self):
+        if errors.uncaught:
+            return
         for name, stats in self.stats:
             if stats.sentences:
                 logger.info(stats.summary_line(name))
+
+    def interrupted(self):
+        decoded = sum(stats.sentences for _, stats in self.stats)
+        names = ", ".join(dict.fromkeys(name for name, _ in self.stats))
+        # fairseq-generate loads one split; fairseq-interactive none
+        splits = list(self.task.datasets.values())
+        of = " of %d" % len(splits[0]) if len(splits) == 1 else ""
+        return "%d%s sentences decoded (--generator %s), the output is incomplete" % (
+            decoded, of, names)
 
 
 _reporter = None
@@ -230,8 +247,20 @@ class TranslationPardecTask(TranslationTask):
 
     def build_model(self, cfg, from_checkpoint=False):
         if from_checkpoint:  # our models then skip their --init-from-* files (models/loading.py)
+            warn_other_direction(self.cfg, cfg)
             cfg = mark_from_checkpoint(cfg)
         return super().build_model(cfg, from_checkpoint)
+
+    def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):
+        """fairseq-interactive's sentences, cut to --max-source-positions with --truncate-source
+        (fairseq's translation task cuts only the sentences of binarized splits)."""
+        if self.cfg.truncate_source:
+            keep = self.cfg.max_source_positions
+            # fairseq keeps the first max-1 tokens and the EOS: the same cut here
+            src_tokens = [t if len(t) <= keep else torch.cat([t[: keep - 1], t[-1:]])
+                          for t in src_tokens]
+            src_lengths = [min(int(n), keep) for n in src_lengths]
+        return super().build_dataset_for_inference(src_tokens, src_lengths, constraints)
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         if hasattr(criterion, "set_update_num"):  # glancing schedule, per-update seeding
@@ -257,6 +286,7 @@ class TranslationPardecTask(TranslationTask):
         extra_gen_cls_kwargs=None,
         prefix_allowed_tokens_fn=None,
     ):
+        refuse_non_verifiers(models)
         asked = name = str(self.cfg.generator)
         if models and hasattr(models[0], "words_per_step") and name in ("beam", "greedy"):
             name = "interleaved"  # ibdecoder models emit several words per step
@@ -284,7 +314,7 @@ class TranslationPardecTask(TranslationTask):
         if self.report_summary and running_a_cli():  # a library caller reads generator.stats
             global _reporter
             if _reporter is None:
-                _reporter = _SummaryReporter()
+                _reporter = _SummaryReporter(self)
             _reporter.add(name, generator)
         return generator
 

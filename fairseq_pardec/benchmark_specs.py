@@ -1,0 +1,69 @@
+"""The benchmark's generator specs (``name:key=value,...``), checked before anything is loaded.
+
+A spec names a generator of ``--generator`` (or ``ct2``) and options that are fields of
+``--task translation_pardec`` or of fairseq's generation config. A misspelt name, an option that
+neither knows, or a value of the wrong type is refused in one line naming the spec: otherwise it
+surfaced as omegaconf's traceback after minutes of loading, or, for an unknown key, as a row
+labelled with an option that never applied.
+"""
+
+import argparse
+
+from .errors import UsageError
+
+# keys of the spec itself, not of a config: another checkpoint, the row's name
+SPEC_KEYS = ("path", "label")
+
+
+def check_spec(spec, options):
+    """UsageError for the first thing wrong with ``spec`` (its text), parsed into
+    ``name`` and ``options`` (without ``label``)."""
+    from dataclasses import fields
+
+    from fairseq.dataclass.configs import GenerationConfig
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .generators import GENERATORS
+    from .tasks.translation_pardec import _ARG_VALIDATORS, TranslationPardecConfig
+
+    name = spec.partition(":")[0]
+    if name == "ct2":
+        return  # ctranslate2_rows checks its own options
+    if name not in GENERATORS:
+        raise UsageError("--generators %s: no generator %r; choose from %s, ct2"
+                         % (spec, name, ", ".join(GENERATORS)))
+    task_keys = {f.name for f in fields(TranslationPardecConfig)} - {"data", "generator"}
+    generation_keys = {f.name for f in fields(GenerationConfig)}
+    config_options = {k: v for k, v in options.items() if k not in SPEC_KEYS}
+    unknown = sorted(set(config_options) - task_keys - generation_keys)
+    if unknown:
+        raise UsageError("--generators %s: %s is not an option of --task translation_pardec nor of "
+                         "fairseq's generation (beam, lenpen, max_len_a, ...); check the spelling"
+                         % (spec, ", ".join(unknown)))
+    for config, keys in ((TranslationPardecConfig, task_keys), (GenerationConfig, generation_keys)):
+        given = {k: v for k, v in config_options.items() if k in keys}
+        try:
+            OmegaConf.merge(OmegaConf.structured(config), given)
+        except OmegaConfBaseException as error:
+            key = getattr(error, "key", None) or next(iter(given), "?")
+            expected = getattr(getattr(config, "__dataclass_fields__", {}).get(key), "type", None)
+            raise UsageError("--generators %s: %s=%r is not a valid value%s"
+                             % (spec, key, given.get(key), " (expected %s)" % _type_name(expected)
+                                if expected is not None else "")) from None
+    for key, value in config_options.items():
+        validate = _ARG_VALIDATORS.get("--" + key.replace("_", "-"))
+        if validate is not None:
+            try:
+                validate(str(value))
+            except argparse.ArgumentTypeError as error:
+                raise UsageError("--generators %s: %s %s" % (spec, key, error)) from None
+
+
+def _type_name(kind):
+    text = str(getattr(kind, "__name__", kind)) if isinstance(kind, type) else str(kind)
+    for python, words in (("int", "an integer"), ("float", "a number"), ("str", "text"),
+                          ("bool", "True or False")):
+        if text in (python, "typing.Optional[%s]" % python, "Optional[%s]" % python):
+            return words
+    return text

@@ -1,0 +1,161 @@
+"""fairseq's own failures on bad files and data, as one-line messages of ours (see errors.py).
+
+fairseq raises these from its own code (its checkpoint reader, its translation task, its batching),
+so the plugin cannot check first. Each message names the file or flag at fault and what is there
+instead. No fairseq import here: errors.py imports this module before fairseq is loaded.
+"""
+
+import os
+import re
+import sys
+
+
+def flag_of(path, default="checkpoint"):
+    """The command-line flag that gave ``path`` (``--path``, ``--drafter-path``, ...).
+
+    Read from ``sys.argv`` because fairseq's exceptions do not say which flag a file came from;
+    ``--path`` may list an ensemble (``a.pt:b.pt``).
+    """
+    argv = sys.argv[1:]
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if eq and flag.startswith("--") and path in value.split(":"):
+            return flag
+        if i and argv[i - 1].startswith("--") and path in arg.split(":"):
+            return argv[i - 1]
+    return default
+
+
+def raised_in(error, module, function):
+    """The frame of ``module.function`` that ``error`` went through, or None."""
+    traceback = getattr(error, "__traceback__", None)
+    while traceback is not None:
+        frame = traceback.tb_frame
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
+            return frame
+        traceback = traceback.tb_next
+    return None
+
+
+def _names(folder, keep=lambda name: True):
+    try:
+        return sorted(n for n in os.listdir(folder) if keep(n))
+    except OSError:
+        return []
+
+
+def _shown(names):
+    return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "nothing"
+
+
+# ---------------------------------------------------------------- checkpoint files
+def bad_checkpoint(error):
+    """Any exception that fairseq's checkpoint reader raises means the file is not a checkpoint.
+
+    The reader is ``load_checkpoint_to_cpu``: ``torch.load`` then fairseq's upgrade of the state.
+    torch's own text is never repeated: for a file it cannot unpickle, it advises
+    ``weights_only=False``, which would let a file of unknown origin run code.
+    """
+    if not isinstance(error, Exception) or isinstance(error, MemoryError):
+        return None
+    frame = raised_in(error, "fairseq.checkpoint_utils", "load_checkpoint_to_cpu")
+    path = frame.f_locals.get("path") if frame is not None else None
+    if not isinstance(path, str):
+        return None
+    what = "%s %s" % (flag_of(path), path)
+    if os.path.isdir(path):
+        return ("%s is a directory, not a checkpoint file; give one of its files (it holds: %s)"
+                % (what, _shown(_names(path, lambda n: n.endswith(".pt")))))
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        return ("%s is empty (0 bytes): the checkpoint was not written completely; copy it "
+                "again, or train again" % what)
+    if "state" in frame.f_locals:  # torch.load returned: a torch file, but not fairseq's
+        return ("%s is a torch file but not a fairseq checkpoint (no model and training config "
+                "as fairseq-train saves them); give a checkpoint that fairseq-train wrote"
+                % what)
+    return ("%s: a checkpoint is truncated or not a torch checkpoint (torch cannot read it: %s); "
+            "check the file, or train/copy it again" % (what, type(error).__name__))
+
+
+# A checkpoint's embeddings and output projection have one row per dictionary type.
+_SIZE_MISMATCH = re.compile(
+    r"size mismatch for (encoder|decoder)\.(embed_tokens|output_projection)\.weight: copying a "
+    r"param with shape torch\.Size\(\[(\d+), \d+\]\) from checkpoint, the shape in current "
+    r"model is torch\.Size\(\[(\d+), \d+\]\)")
+
+
+def dictionary_mismatch(error):
+    """A checkpoint loaded with dictionaries of other sizes than it was trained with."""
+    if not isinstance(error, RuntimeError):
+        return None
+    sides = {}
+    for part, _, trained, here in _SIZE_MISMATCH.findall(str(error)):
+        sides.setdefault("source" if part == "encoder" else "target", (int(trained), int(here)))
+    if not sides:
+        return None
+    frame = raised_in(error, "fairseq.checkpoint_utils", "load_model_ensemble_and_task")
+    path = frame.f_locals.get("filename") if frame is not None else None
+    which = "%s %s" % (flag_of(path), path) if isinstance(path, str) else "the checkpoint"
+    sizes = "; ".join("its %s dictionary has %d types, this data's has %d" % (side, *sizes)
+                      for side, sizes in sorted(sides.items()))
+    return ("%s was trained with other dictionaries than this data's (%s): decode data "
+            "binarized with the checkpoint's dictionaries (fairseq-preprocess --srcdict/--tgtdict "
+            "with the dict.*.txt of its training data)" % (which, sizes))
+
+
+# ---------------------------------------------------------------- data directories
+MISSING_DICTIONARY = r"No such file or directory: '(.*dict\.([^/']*)\.txt)'"
+
+
+def missing_dictionary(match):
+    path, language = match.group(1), match.group(2)
+    folder = os.path.dirname(path) or "."
+    have = [n[len("dict."):-len(".txt")]
+            for n in _names(folder, lambda n: n.startswith("dict.") and n.endswith(".txt"))]
+    if not have:
+        return ("data directory %s has no dictionaries (no dict.%s.txt, no dict.*.txt at all): "
+                "give the directory that fairseq-preprocess wrote (its --destdir)"
+                % (folder, language))
+    return ("-s/-t: data directory %s has no dict.%s.txt (language %r); its languages are %s: "
+            "give -s/-t among them" % (folder, language, language, ", ".join(have)))
+
+
+MISSING_SPLIT = r"Dataset not found: (\S+) \((.*)\)$"
+
+
+def missing_split(match):
+    split, folder = match.group(1), match.group(2)
+    splits = sorted({n.split(".")[0] for n in _names(folder, lambda n: n.endswith(".bin"))})
+    return ("%s %s: data directory %s has no such split (no %s.*.bin); it has: %s"
+            % (flag_of(split, "--gen-subset"), split, folder, split,
+               _shown(splits)))
+
+
+NO_LANGUAGE_PAIR = r"Could not infer language pair"
+
+
+def no_language_pair(match):
+    return ("-s/-t: the data directory has no binarized files (SPLIT.SRC-TGT.LANG.bin) to infer "
+            "the languages from; give the directory that fairseq-preprocess wrote, or -s SRC "
+            "-t TGT")
+
+
+# numpy 2 prints the sizes as ``np.int64(5001)``, numpy 1 as ``5001``
+_SIZE = r"(?:np\.\w+\()?(\d+)\)?"
+TOO_LONG = (r"Size of sample #(\d+) is invalid \(=\(%s, %s\)\) since "
+            r"max_positions=\((\d+), (\d+)\)" % (_SIZE, _SIZE))
+
+
+def too_long(match):
+    index, source, target, max_source, max_target = match.groups()
+    if int(source) > int(max_source):
+        # fairseq's own translation task cuts binarized splits only, not interactive input
+        where = (" and --task translation_pardec" if "interactive" in os.path.basename(
+            sys.argv[0] if sys.argv else "") else "")
+        return ("sentence #%s has %s source tokens (EOS included), more than the %s the model "
+                "takes (--max-source-positions): cut long sources with --truncate-source%s, or "
+                "skip them with --skip-invalid-size-inputs-valid-test"
+                % (index, source, max_source, where))
+    return ("sentence #%s has a reference of %s tokens, more than --max-target-positions %s: "
+            "skip such sentences with --skip-invalid-size-inputs-valid-test"
+            % (index, target, max_target))
