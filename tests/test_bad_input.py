@@ -315,13 +315,24 @@ def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_chec
     earlier.write_text(EARLIER, encoding="utf-8")
     partial = results / "generate-train.partial.txt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    # 300 sentences one at a time: far from done when the signal comes
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fairseq_cli.generate", str(data), "--user-dir", PLUGIN, "--path",
-         str(stock_checkpoint / "checkpoint_last.pt"), "--task", "translation_pardec",
-         "--generator", "iad", "--gen-subset", "train", "--batch-size", "1", "--max-len-b", "100",
-         "--results-path", str(results)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    # 300 sentences one at a time, each made to last 50 ms: far from done when the signal comes
+    # however busy the machine is (a tiny model decodes all 300 in about a second)
+    import fairseq_cli.generate
+
+    argv = [fairseq_cli.generate.__file__, str(data), "--user-dir", PLUGIN, "--path",
+            str(stock_checkpoint / "checkpoint_last.pt"), "--task", "translation_pardec",
+            "--generator", "iad", "--gen-subset", "train", "--batch-size", "1", "--max-len-b",
+            "100", "--results-path", str(results)]
+    slowed = (
+        "import sys, time\n"
+        "sys.argv = %r\n"  # as fairseq-generate sees it, before the plugin is imported
+        "from fairseq_pardec.generators.draft_verify import DraftVerifyGenerator as G\n"
+        "generate = G.generate\n"
+        "G.generate = lambda self, *a, **k: (time.sleep(0.05), generate(self, *a, **k))[1]\n"
+        "from fairseq_cli.generate import cli_main\n"
+        "cli_main()\n" % (argv,))
+    proc = subprocess.Popen([sys.executable, "-c", slowed], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
     began = time.time()
     while time.time() - began < 300 and proc.poll() is None:
         text = earlier.read_text(encoding="utf-8", errors="replace") if earlier.exists() else ""

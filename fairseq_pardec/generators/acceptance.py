@@ -19,30 +19,51 @@ from ..errors import UsageError
 class AcceptanceRule:
     lossless = False
     # False when the rule decides from the draft and the verifier's tokens alone: the engine
-    # then does not gather the (B, K, V) log-probabilities at the draft positions for it.
+    # then hands it no log-probabilities.
     reads_log_probs = True
 
-    def token_ok(self, draft: Tensor, lprobs: Tensor, verifier_tokens: Tensor) -> Tensor:
+    def token_ok(self, draft: Tensor, scores: "DraftScores", verifier_tokens: Tensor) -> Tensor:
         """(B, K) bool: may each draft token stand in for the verifier's choice?"""
         raise NotImplementedError
 
     def accept(
-        self, draft: Tensor, draft_valid: Tensor, lprobs: Tensor, verifier_tokens: Tensor
+        self, draft: Tensor, draft_valid: Tensor, lprobs: Tensor, verifier_tokens: Tensor,
+        positions: Tensor = None,
     ) -> Tensor:
         """Number of leading draft tokens accepted per row.
 
         Args:
             draft: (B, K) draft tokens, padded.
             draft_valid: (B, K) True for real draft tokens.
-            lprobs: (B, K, V) verifier log-probabilities at the K draft positions (None for a
-                rule whose ``reads_log_probs`` is False).
+            lprobs: the verifier's log-probabilities: (B, K, V) at the K draft positions, or
+                the engine's packed (N, V) rows with ``positions`` (B, K) naming each draft
+                position's row (no (B, K, V) copy is made); None for a rule whose
+                ``reads_log_probs`` is False.
             verifier_tokens: (B, K) the verifier's own choice at those positions.
         """
         if draft.size(1) == 0:
             return draft.new_zeros(draft.size(0))
-        ok = self.token_ok(draft, lprobs, verifier_tokens) & draft_valid
+        scores = DraftScores(lprobs, positions, draft) if lprobs is not None else None
+        ok = self.token_ok(draft, scores, verifier_tokens) & draft_valid
         # Length of the run of True from the left.
         return ok.long().cumprod(dim=1).sum(dim=1)
+
+
+class DraftScores:
+    """The verifier's log-probabilities as relaxed rules read them: each draft token's own and
+    the best few at its position, computed on whichever layout the caller holds."""
+
+    def __init__(self, lprobs: Tensor, positions, draft: Tensor):
+        self.lprobs, self.positions = lprobs, positions
+        if positions is None:  # (B, K, V)
+            self.draft = lprobs.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+        else:  # packed (N, V)
+            self.draft = lprobs[positions, draft]
+
+    def top(self, n: int) -> Tensor:
+        """(B, K, n) the n best log-probabilities at each draft position, best first."""
+        values = self.lprobs.topk(min(n, self.lprobs.size(-1)), dim=-1).values
+        return values if self.positions is None else values[self.positions]
 
 
 class ExactAcceptance(AcceptanceRule):
@@ -51,7 +72,7 @@ class ExactAcceptance(AcceptanceRule):
     lossless = True
     reads_log_probs = False
 
-    def token_ok(self, draft, lprobs, verifier_tokens):
+    def token_ok(self, draft, scores, verifier_tokens):
         return draft.eq(verifier_tokens)
 
 
@@ -65,12 +86,12 @@ class TopKAcceptance(AcceptanceRule):
         self.lossless = k == 1
         self.reads_log_probs = k != 1
 
-    def token_ok(self, draft, lprobs, verifier_tokens):
+    def token_ok(self, draft, scores, verifier_tokens):
         if self.k == 1:
             return draft.eq(verifier_tokens)
-        draft_lp = lprobs.gather(-1, draft.unsqueeze(-1))
-        better = (lprobs > draft_lp).sum(dim=-1)
-        return (better < self.k) & torch.isfinite(draft_lp.squeeze(-1))
+        # fewer than k tokens score strictly higher <=> the k-th best is not above the draft's
+        draft_lp = scores.draft
+        return (draft_lp >= scores.top(self.k)[..., -1]) & torch.isfinite(draft_lp)
 
 
 def ordinal_values(dictionary) -> Tensor:
@@ -103,7 +124,7 @@ class DistanceAcceptance(AcceptanceRule):
         self.eps = eps
         self.reads_log_probs = False
 
-    def token_ok(self, draft, lprobs, verifier_tokens):
+    def token_ok(self, draft, scores, verifier_tokens):
         if self.values.device != draft.device:  # moved once, not every iteration
             self.values = self.values.to(draft.device)
         values = self.values
@@ -125,8 +146,8 @@ class MinimumBlock(AcceptanceRule):
         self.lossless = rule.lossless and min_block == 1
         self.reads_log_probs = rule.reads_log_probs
 
-    def accept(self, draft, draft_valid, lprobs, verifier_tokens):
-        accepted = self.rule.accept(draft, draft_valid, lprobs, verifier_tokens)
+    def accept(self, draft, draft_valid, lprobs, verifier_tokens, positions=None):
+        accepted = self.rule.accept(draft, draft_valid, lprobs, verifier_tokens, positions)
         floor = torch.clamp(draft_valid.long().sum(dim=1), max=self.min_block - 1)
         return torch.maximum(accepted, floor)
 
@@ -147,11 +168,11 @@ class TopBetaTauAcceptance(AcceptanceRule):
         self.lossless = beta == 1 and tau == 0
         self.reads_log_probs = not self.lossless
 
-    def token_ok(self, draft, lprobs, verifier_tokens):
+    def token_ok(self, draft, scores, verifier_tokens):
         if self.lossless:
             return draft.eq(verifier_tokens)
-        draft_lp = lprobs.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
-        top = lprobs.topk(self.beta, dim=-1).values
+        draft_lp = scores.draft
+        top = scores.top(self.beta)
         within_beta = draft_lp >= top[..., -1]  # Eq. 6
         within_tau = top[..., 0] - draft_lp <= self.tau  # Eq. 7
         return within_beta & within_tau & torch.isfinite(draft_lp)

@@ -239,7 +239,8 @@ class DraftVerifyGenerator(StatsGenerator):
                 verifier = verifier[layout.pos.clamp(min=0)]  # (B, L); garbage at padding
                 # 3. accept
                 n_acc = self.acceptance.accept(
-                    draft, draft_valid, lprobs[draft_pos] if relaxed else None, verifier[:, :k]
+                    draft, draft_valid, lprobs if relaxed else None, verifier[:, :k],
+                    positions=draft_pos,
                 )
                 if close is not None and bool(close.any()):
                     self._decide_close_calls(close[layout.pos.clamp(min=0)] & ~block_pad, n_acc,
@@ -340,7 +341,7 @@ class DraftVerifyGenerator(StatsGenerator):
                 probs[at, forced[at]] = 1.0
         b = draft.size(0)
         ar = torch.arange(b, device=draft.device)
-        n_acc = self.sampler.accept(draft, draft_valid, probs[draft_pos], q)
+        n_acc = self.sampler.accept(draft, draft_valid, probs[draft_pos, draft], q)
         rejected = n_acc < draft_len
         q_next = None
         if q is not None and q.size(1) > 0:

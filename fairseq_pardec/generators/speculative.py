@@ -85,14 +85,15 @@ class SpeculativeSampler:
 
         Args:
             draft: (B, K) draft tokens; draft_valid: (B, K) True for real ones.
-            p_draft: (B, K, V) the verifier's sampling distribution at the draft positions.
+            p_draft: (B, K) the verifier's sampling probability of each draft token (the
+                engine reads it off its packed (N, V) rows: no (B, K, V) copy).
             q_draft: (B, K, V) the drafter's distribution the draft was drawn from, or None for
                 a deterministic (one-hot) draft.
         """
         b, k = draft.shape
         if k == 0:
             return draft.new_zeros(b)
-        p_x = p_draft.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+        p_x = p_draft
         u = torch.rand(b, k, generator=self.generator(draft.device), device=draft.device)
         if q_draft is None:
             ok = u < p_x  # q(x) = 1
