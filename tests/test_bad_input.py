@@ -324,7 +324,10 @@ def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_chec
             "--generator", "iad", "--gen-subset", "train", "--batch-size", "1", "--max-len-b",
             "100", "--results-path", str(results)]
     slowed = (
-        "import sys, time\n"
+        "import signal, sys, time\n"
+        # a shell's background job starts with SIGINT ignored, and Python keeps it so: give the
+        # run the handler it has at a terminal, where a user presses Ctrl-C
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "sys.argv = %r\n"  # as fairseq-generate sees it, before the plugin is imported
         "from fairseq_pardec.generators.draft_verify import DraftVerifyGenerator as G\n"
         "generate = G.generate\n"
