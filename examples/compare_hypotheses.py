@@ -13,7 +13,7 @@ import argparse
 import re
 import sys
 
-from fairseq_pardec.benchmark import divergence
+from fairseq_pardec.benchmark.runner import divergence
 
 
 def hypotheses(path):

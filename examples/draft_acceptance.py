@@ -66,8 +66,8 @@ def main():
     args = parser.parse_args()
     plugin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fairseq_pardec")
     utils.import_user_module(argparse.Namespace(user_dir=os.path.normpath(plugin)))
-    from fairseq_pardec.generators.drafters import CopyDrafter
-    from fairseq_pardec.generators.lookup import LookupDrafter, NgramTable
+    from fairseq_pardec.decoding.draft_verify.drafters import CopyDrafter
+    from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 
     s, t = args.source_lang, args.target_lang
     src_dict = Dictionary.load("%s/dict.%s.txt" % (args.data, s))

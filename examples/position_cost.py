@@ -32,8 +32,8 @@ def main():
     args = parser.parse_args()
     plugin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fairseq_pardec")
     utils.import_user_module(argparse.Namespace(user_dir=os.path.normpath(plugin)))
-    from fairseq_pardec.generators import DraftVerifyGenerator, ExactAcceptance
-    from fairseq_pardec.generators.drafters import Drafter, NoDrafter, pad_drafts
+    from fairseq_pardec.decoding.registry import DraftVerifyGenerator, ExactAcceptance
+    from fairseq_pardec.decoding.draft_verify.drafters import Drafter, NoDrafter, pad_drafts
 
     overrides = {"data": args.data}
     if args.source_lang:

@@ -4,7 +4,7 @@
 A decoding step multiplies R rows of features (1 at batch 1 greedy, a block's positions when a
 draft is verified, batch x positions in a batch) by the output embedding (V x d). Three ways:
 ``F.linear`` (what fairseq calls: MKL), a contiguous transposed copy of the weight
-(``x @ W_t``), and oneDNN with the weight packed once (``generators/output_projection.py``).
+(``x @ W_t``), and oneDNN with the weight packed once (``decoding/step/output_projection.py``).
 "cold" flushes the caches before every call, as a real step does (the rest of the model passes
 through the caches in between); "hot" repeats the call on a weight already in cache.
 

@@ -1,8 +1,8 @@
 """fairseq_pardec: parallel decoding methods for fairseq seq2seq Transformers (--user-dir plugin)."""
 
-from . import compat  # noqa: F401  (first: safe checkpoint loading on torch >= 2.6)
-from . import cli_checks, results_file
-from .errors import install_cli_boundary, running_a_cli
+from fairseq_pardec import compat  # noqa: F401  (first: safe checkpoint loading on torch >= 2.6)
+from fairseq_pardec import cli_checks, results_file
+from fairseq_pardec.errors import install_cli_boundary, running_a_cli
 
 # What the command lines need changes process-wide state (the exception hook, the root
 # logger's level): done for fairseq's (and our) command lines only, so importing the plugin
@@ -10,10 +10,10 @@ from .errors import install_cli_boundary, running_a_cli
 if running_a_cli():
     install_cli_boundary()  # fairseq's CLIs print our errors (and a few of fairseq's) as one line
 
-from . import criterions  # noqa: F401,E402
-from . import generators  # noqa: F401,E402
-from . import models  # noqa: F401,E402
-from . import tasks  # noqa: F401,E402
+from fairseq_pardec import criterions  # noqa: F401,E402
+from fairseq_pardec import decoding  # noqa: F401,E402
+from fairseq_pardec import models  # noqa: F401,E402
+from fairseq_pardec import tasks  # noqa: F401,E402
 
 cli_checks.check_argv()  # our task's flags without --task translation_pardec, ...
 results_file.guard()  # fairseq-generate --results-path: the earlier file survives a failed run

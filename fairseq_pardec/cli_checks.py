@@ -8,7 +8,7 @@ Without ``--task translation_pardec`` our task's flags are unknown to fairseq, w
 import os
 import sys
 
-from .errors import UsageError, running_a_cli, warn
+from fairseq_pardec.errors import UsageError, running_a_cli, warn
 
 
 def task_flags():
@@ -17,7 +17,7 @@ def task_flags():
 
     from fairseq.tasks.translation import TranslationConfig
 
-    from .tasks.translation_pardec import TranslationPardecConfig
+    from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig
 
     stock = {f.name for f in fields(TranslationConfig)}
     return tuple("--" + f.name.replace("_", "-") for f in fields(TranslationPardecConfig)

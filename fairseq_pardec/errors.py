@@ -12,7 +12,7 @@ import os
 import re
 import sys
 
-from . import failures
+from fairseq_pardec import failures
 
 
 class UsageError(ValueError):
@@ -82,7 +82,8 @@ def running_a_cli(program=None):
     folder = os.path.basename(os.path.dirname(program))
     return name.startswith(_FAIRSEQ_CLIS) or (
         folder == "fairseq_cli" and name.startswith(_FAIRSEQ_MODULES)) or (
-        folder == "fairseq_pardec" and name == "benchmark.py")  # python -m fairseq_pardec.benchmark
+        folder == "benchmark" and name in ("__main__.py", "runner.py")  # python -m fairseq_pardec.benchmark
+        and os.path.basename(os.path.dirname(os.path.dirname(program))) == "fairseq_pardec")
 
 
 # Exceptions that ended the command line (read at exit: a failed or interrupted run prints no

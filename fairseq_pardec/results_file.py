@@ -11,9 +11,9 @@ import atexit
 import os
 import sys
 
-from . import errors
-from .cli_checks import program, values
-from .errors import UsageError
+from fairseq_pardec import errors
+from fairseq_pardec.cli_checks import program, values
+from fairseq_pardec.errors import UsageError
 
 
 def _check_folder(results):

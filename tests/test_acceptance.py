@@ -4,7 +4,7 @@ read a (B, K, V) copy at the draft positions."""
 import pytest
 import torch
 
-from fairseq_pardec.generators.acceptance import (
+from fairseq_pardec.decoding.draft_verify.acceptance import (
     MinimumBlock,
     TopBetaTauAcceptance,
     TopKAcceptance,

@@ -100,6 +100,9 @@ def test_boundary_knows_fairseq_clis():
     assert running_a_cli("/venv/bin/fairseq-generate")
     assert running_a_cli("/x/site-packages/fairseq_cli/train.py")
     assert not running_a_cli("/home/me/my_script.py")
+    # python -m fairseq_pardec.benchmark runs the package's __main__.py
+    assert running_a_cli("/repo/fairseq_pardec/benchmark/__main__.py")
+    assert not running_a_cli("/home/me/benchmark/__main__.py")
 
 
 def test_build_generator_does_not_hide_bugs(cli_data, stock_checkpoint, monkeypatch):
@@ -110,7 +113,7 @@ def test_build_generator_does_not_hide_bugs(cli_data, stock_checkpoint, monkeypa
     from fairseq.dataclass.configs import GenerationConfig
     from dataclasses import asdict
 
-    import fairseq_pardec.generators as generators
+    import fairseq_pardec.decoding.registry as generators
     from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig, TranslationPardecTask
 
     _, data = cli_data
@@ -329,7 +332,7 @@ def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_chec
         # run the handler it has at a terminal, where a user presses Ctrl-C
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "sys.argv = %r\n"  # as fairseq-generate sees it, before the plugin is imported
-        "from fairseq_pardec.generators.draft_verify import DraftVerifyGenerator as G\n"
+        "from fairseq_pardec.decoding.draft_verify.engine import DraftVerifyGenerator as G\n"
         "generate = G.generate\n"
         "G.generate = lambda self, *a, **k: (time.sleep(0.05), generate(self, *a, **k))[1]\n"
         "from fairseq_cli.generate import cli_main\n"

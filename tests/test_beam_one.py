@@ -4,8 +4,8 @@ import pytest
 import torch
 from fairseq.search import BeamSearch
 
-from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.generators.beam_one import beam_one_tokens, running_scores
+from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.decoding.fairseq_rules import beam_one_tokens, running_scores
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fairseq_pardec.criterions.blockwise_cross_entropy import BlockwiseCrossEntropyCriterion
-from fairseq_pardec.generators import GENERATORS
-from fairseq_pardec.generators.acceptance import (
+from fairseq_pardec.decoding.registry import GENERATORS
+from fairseq_pardec.decoding.draft_verify.acceptance import (
     DistanceAcceptance,
     ExactAcceptance,
     MinimumBlock,
@@ -135,7 +135,7 @@ def test_shortlisted_heads_stay_lossless(trained_heads, batch_size):
 def test_adaptive_caps_follow_acceptance(trained_heads):
     """Rows whose proposals are rejected draft 1 head's token; the cap grows back with
     acceptance and never passes the model's heads."""
-    from fairseq_pardec.generators.drafters import HeadsDrafter
+    from fairseq_pardec.decoding.draft_verify.drafters import HeadsDrafter
 
     _, model, task, make_sample = trained_heads
     drafter = HeadsDrafter(model.decoder, task.target_dictionary.pad(), 4, adaptive=True)

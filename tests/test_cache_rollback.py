@@ -2,7 +2,7 @@
 
 import torch
 
-from fairseq_pardec.generators.incremental import BlockDecoder
+from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 
 from helpers import make_dictionary, make_task, random_batch, tiny_transformer
 

@@ -252,7 +252,7 @@ def test_benchmark_harness(cli_data, stock_checkpoint, tmp_path):
 def test_benchmark_true_batch_sizes(cli_data, stock_checkpoint):
     """A subset of 20 of the 37 test sentences at batch 8: batches of 8, 8, 4, each the shortest
     sentences first, exactly as fairseq orders the subset by length."""
-    from fairseq_pardec import benchmark
+    from fairseq_pardec.benchmark import runner as benchmark
 
     _, data = cli_data
     args = benchmark.get_parser().parse_args(

@@ -11,10 +11,10 @@ import copy
 import pytest
 import torch
 
-from fairseq_pardec.benchmark import divergence
-from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.generators.beam_one import running_scores
-from fairseq_pardec.generators.lookup import LookupDrafter, NgramTable
+from fairseq_pardec.benchmark.runner import divergence
+from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.decoding.fairseq_rules import running_scores
+from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 from test_engine_lossless import RandomDrafter, lengths

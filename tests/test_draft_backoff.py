@@ -6,8 +6,8 @@ in time: speed belongs to the benchmark."""
 import pytest
 import torch
 
-from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.generators.draft_backoff import DraftBackoff
+from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 

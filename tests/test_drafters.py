@@ -2,7 +2,7 @@
 
 import torch
 
-from fairseq_pardec.generators.drafters import CopyDrafter, SourceVocabularyMap
+from fairseq_pardec.decoding.draft_verify.drafters import CopyDrafter, SourceVocabularyMap
 
 from helpers import collate, make_dictionary
 
@@ -81,7 +81,7 @@ def test_adaptive_cap_follows_each_rows_acceptance():
     drafter.observe(None, None, torch.tensor([0]))  # first draft token rejected
     assert propose(drafter, d, ["w9"]) == []  # w9 is not in the source: no draft, no update
     drafter.observe(None, None, torch.tensor([0]))
-    assert drafter.mean_accepted[0] == 0
+    assert drafter.caps.mean[0] == 0
     assert propose(drafter, d, ["w9", "w2"]) == ["w3"]  # 2 * 0 + 1
     drafter.observe(None, None, torch.tensor([1]))  # accepted: mean 0.5 -> cap 2
     assert propose(drafter, d, ["w9", "w2", "w3"]) == ["w4", "w5"]
@@ -151,7 +151,7 @@ def test_generate_time_refusals_name_the_generator():
 
     import pytest
 
-    from fairseq_pardec.generators import GENERATORS
+    from fairseq_pardec.decoding.registry import GENERATORS
 
     from helpers import make_task, random_batch, tiny_transformer
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.generators.drafters import Drafter, pad_drafts
+from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.decoding.draft_verify.drafters import Drafter, pad_drafts
 
 from helpers import (
     by_id,

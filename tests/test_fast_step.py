@@ -4,11 +4,11 @@ keeps the engine's outputs equal to fairseq greedy wherever that bound could cha
 import pytest
 import torch
 
-from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.generators.close_calls import close_calls
-from fairseq_pardec.generators.fast_step import DEFAULT_MARGIN, FastBlockDecoder
-from fairseq_pardec.generators.incremental import BlockDecoder
-from fairseq_pardec.generators.lean_decoder import LeanBlockDecoder, block_decoder_for
+from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls
+from fairseq_pardec.decoding.step.fast import DEFAULT_MARGIN, FastBlockDecoder
+from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, block_decoder_for
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 from test_lean_decoder import _drive

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from fairseq_pardec.criterions.glat_loss import GlatLoss, glancing_ratio, sample_blocks
-from fairseq_pardec.generators import DraftVerifyGenerator
-from fairseq_pardec.generators.acceptance import TopBetaTauAcceptance
-from fairseq_pardec.generators.drafters import NARDrafter
+from fairseq_pardec.decoding.registry import DraftVerifyGenerator
+from fairseq_pardec.decoding.draft_verify.acceptance import TopBetaTauAcceptance
+from fairseq_pardec.decoding.draft_verify.drafters import NARDrafter
 from fairseq_pardec.models.glat_drafter import GlatDrafterModel
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, pooled, tiny_args

@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from fairseq_pardec.generators import DraftVerifyGenerator
-from fairseq_pardec.generators.acceptance import ExactAcceptance
-from fairseq_pardec.generators.drafters import CachedNARDrafter
+from fairseq_pardec.decoding.registry import DraftVerifyGenerator
+from fairseq_pardec.decoding.draft_verify.acceptance import ExactAcceptance
+from fairseq_pardec.decoding.draft_verify.drafters import CachedNARDrafter
 from fairseq_pardec.models.glat_drafter import GlatDrafterModel
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, pooled, tiny_args
@@ -149,7 +149,7 @@ def test_frozen_verifier_encoder_is_not_trained(trained_causal_drafter):
 
 @pytest.mark.trains
 def test_drafter_of_another_verifier_is_refused(trained_causal_drafter):
-    from fairseq_pardec.generators.drafter_loading import _check_same_encoder
+    from fairseq_pardec.decoding.draft_verify.drafters.loading import _check_same_encoder
 
     verifier, model, *_ = trained_causal_drafter
     _check_same_encoder("d.pt", model, verifier)  # its own verifier: fine
@@ -165,7 +165,7 @@ def test_drafter_of_another_verifier_is_refused(trained_causal_drafter):
 def test_shortlisted_drafts_stay_lossless(trained_causal_drafter, batch_size):
     """--draft-vocab: the drafter scores a shortlist only; outputs stay fairseq greedy's and
     no draft token is outside the shortlist."""
-    from fairseq_pardec.generators.output_projection import frequent_types
+    from fairseq_pardec.decoding.step.output_projection import frequent_types
 
     verifier, model, task, make_sample, _ = trained_causal_drafter
     d = task.target_dictionary
@@ -190,7 +190,7 @@ def test_shortlisted_drafts_stay_lossless(trained_causal_drafter, batch_size):
 
 def test_frequent_types_follow_dictionary_counts():
     from fairseq.data import Dictionary
-    from fairseq_pardec.generators.output_projection import frequent_types
+    from fairseq_pardec.decoding.step.output_projection import frequent_types
 
     d = Dictionary()
     for word, count in (("rare", 1), ("common", 50), ("mid", 7), ("tie1", 3), ("tie2", 3)):

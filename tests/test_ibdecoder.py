@@ -6,9 +6,9 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
-from fairseq_pardec import ordering
+from fairseq_pardec.models import interleaving as ordering
 from fairseq_pardec.errors import UsageError
-from fairseq_pardec.generators.interleaved_beam import InterleavedBeamSearch
+from fairseq_pardec.decoding.interleaved_beam import InterleavedBeamSearch
 from fairseq_pardec.models.ibdecoder import IBDecoderModel
 
 from helpers import collate, make_dictionary, make_task, random_batch, tiny_args, tiny_transformer

@@ -4,8 +4,8 @@ compaction and batch shrinking; unsupported layers fall back to the module path.
 import pytest
 import torch
 
-from fairseq_pardec.generators.incremental import BlockDecoder
-from fairseq_pardec.generators.lean_decoder import LeanBlockDecoder, block_decoder_for
+from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, block_decoder_for
 
 from helpers import make_dictionary, make_task, random_batch, tiny_transformer
 
@@ -100,7 +100,7 @@ def test_output_layer_through_a_packed_copy():
 def test_output_projection_without_onednn(monkeypatch):
     """Where oneDNN's packed linear is missing (or the weight is not float32), the projection
     runs on a transposed copy: same values up to float rounding."""
-    from fairseq_pardec.generators import output_projection
+    from fairseq_pardec.decoding.step import output_projection
 
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=24)

@@ -84,7 +84,7 @@ def test_benchmark_names_only_size_mismatches_another_vocabulary(tmp_path, monke
 
     from fairseq import checkpoint_utils
 
-    from fairseq_pardec.benchmark import load_model
+    from fairseq_pardec.benchmark.runner import load_model
     from fairseq_pardec.errors import UsageError
 
     path = tmp_path / "model.pt"
@@ -126,8 +126,8 @@ def test_generator_with_a_caller_generator_class_is_refused():
 def test_fallback_to_fairseqs_modules_is_logged_once(caplog):
     import logging
 
-    from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-    from fairseq_pardec.generators import lean_decoder
+    from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+    from fairseq_pardec.decoding.step import lean as lean_decoder
     from helpers import tiny_transformer
 
     d = make_dictionary(20)
@@ -143,7 +143,7 @@ def test_fallback_to_fairseqs_modules_is_logged_once(caplog):
 def test_drafter_checkpoint_is_read_once(tmp_path, monkeypatch):
     from fairseq import checkpoint_utils
 
-    from fairseq_pardec.generators.drafter_loading import load_drafter
+    from fairseq_pardec.decoding.draft_verify.drafters.loading import load_drafter
     from helpers import tiny_transformer
     from test_gad import drafter_model
 
@@ -171,7 +171,7 @@ def test_drafter_checkpoint_is_read_once(tmp_path, monkeypatch):
 
 
 def test_unmappable_source_token_is_skipped_not_the_end_of_copying():
-    from fairseq_pardec.generators import CopyDrafter
+    from fairseq_pardec.decoding.registry import CopyDrafter
 
     src = make_dictionary(10)
     src.add_symbol("only_in_source")
@@ -208,7 +208,7 @@ def test_building_and_dropping_generators_frees_their_models(monkeypatch):
 
 
 def test_interleave_tables_are_not_cached_on_a_device():
-    from fairseq_pardec import ordering
+    from fairseq_pardec.models import interleaving as ordering
 
     ordering.interleave(torch.zeros(2, 5, dtype=torch.long), torch.tensor([5, 3]), 2, 1, 2, 1)
     assert all(p.device.type == "cpu" for p in [ordering._index_table(5, 2, 1)])

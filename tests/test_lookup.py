@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from fairseq_pardec.errors import UsageError
-from fairseq_pardec.generators import DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.generators.lookup import LookupDrafter, NgramTable
+from fairseq_pardec.decoding.registry import DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 
 from helpers import collate, make_dictionary, make_task, tiny_transformer
 from test_engine_lossless import assert_same, random_setting
@@ -165,7 +165,7 @@ def test_generator_reads_its_task_options(tmp_path):
     from --gad-beta/--gad-tau (lossless by default)."""
     import argparse
 
-    from fairseq_pardec.generators import GENERATORS
+    from fairseq_pardec.decoding.registry import GENERATORS
 
     d = make_dictionary(20)
     corpus = tmp_path / "corpus.txt"

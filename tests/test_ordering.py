@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from fairseq_pardec import ordering
+from fairseq_pardec.models import interleaving as ordering
 
 EOS, PAD = 2, 1
 SETTINGS = [(h, c) for h in (1, 2, 4, 6) for c in (1, 2, 3)]

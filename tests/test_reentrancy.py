@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
-from fairseq_pardec.generators import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.generators.drafters import CachedNARDrafter, HeadsDrafter, NARDrafter
-from fairseq_pardec.generators.lookup import LookupDrafter, NgramTable
+from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.decoding.draft_verify.drafters import CachedNARDrafter, HeadsDrafter, NARDrafter
+from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 
 from helpers import by_id, make_task, random_batch
 

@@ -153,7 +153,7 @@ def ok(runs):
 
 
 def test_every_generator_is_covered():
-    from fairseq_pardec.generators import GENERATORS
+    from fairseq_pardec.decoding.registry import GENERATORS
 
     assert sorted(GENERATOR_NAMES) == sorted(GENERATORS)
 

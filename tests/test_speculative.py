@@ -15,9 +15,9 @@ import torch
 from fairseq import search
 from fairseq.sequence_generator import SequenceGenerator
 
-from fairseq_pardec.generators import DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.generators.drafters import CopyDrafter, HeadsDrafter, NARDrafter
-from fairseq_pardec.generators.speculative import SamplingFilter, SpeculativeSampler
+from fairseq_pardec.decoding.registry import DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.decoding.draft_verify.drafters import CopyDrafter, HeadsDrafter, NARDrafter
+from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
 
 from helpers import collate, make_dictionary, make_task, tiny_transformer
 from test_blockwise import blockwise_model

@@ -1,1 +1,1 @@
-from . import blockwise_cross_entropy, glat_loss  # noqa: F401
+from fairseq_pardec.criterions import blockwise_cross_entropy, glat_loss  # noqa: F401

@@ -22,8 +22,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.dataclass import ChoiceEnum
 from fairseq.models.transformer import TransformerDecoderBase
 
-from ..errors import UsageError
-from .seeding import update_generator
+from fairseq_pardec.errors import UsageError
+from fairseq_pardec.criterions.seeding import update_generator
 
 
 @dataclass

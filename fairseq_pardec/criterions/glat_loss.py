@@ -17,8 +17,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_l
 from fairseq.dataclass import FairseqDataclass
 from fairseq.logging import metrics
 
-from ..errors import UsageError
-from .seeding import update_generator
+from fairseq_pardec.errors import UsageError
+from fairseq_pardec.criterions.seeding import update_generator
 
 
 @dataclass

@@ -1,1 +1,1 @@
-from . import blockwise_transformer, glat_drafter, ibdecoder  # noqa: F401
+from fairseq_pardec.models import blockwise_transformer, glat_drafter, ibdecoder  # noqa: F401

@@ -27,9 +27,9 @@ from fairseq.models.transformer import (
     transformer_vaswani_wmt_en_de_big,
 )
 
-from ..errors import UsageError
-from .loading import built_from_checkpoint, init_from_checkpoint
-from .sizes import tiny_sizes
+from fairseq_pardec.errors import UsageError
+from fairseq_pardec.models.loading import built_from_checkpoint, init_from_checkpoint
+from fairseq_pardec.models.sizes import tiny_sizes
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ Options that make the drafter cheap to run next to a trained verifier (ours, not
   decoder does), the k mask slots attend to the whole prefix and to each other. The prefix's
   keys/values then never depend on the slots, so decoding caches them: each iteration feeds only
   the newly accepted tokens plus k slots and drops the slots afterwards
-  (``generators/drafters.py``, ``CachedNARDrafter``). The slots come *first* in the input,
+  (``decoding/draft_verify/drafters/``, ``CachedNARDrafter``). The slots come *first* in the input,
   ``[MASK x k, BOS, y_1 .. y_p, pad ..]``, with explicit positions (slot j at step p + 1 + j),
   so one (T, T) attention mask serves every row of a batch whatever its prefix length.
 * ``--drafter-encoder verifier``: the encoder is the verifier's (copied by
@@ -37,10 +37,10 @@ from fairseq.models.transformer import (
     transformer_vaswani_wmt_en_de_big,
 )
 
-from ..errors import UsageError
-from ..generators.incremental import BlockDecoder
-from .loading import built_from_checkpoint, init_from_checkpoint
-from .sizes import tiny_sizes
+from fairseq_pardec.errors import UsageError
+from fairseq_pardec.models.decoder_inputs import embed_at, encoder_states
+from fairseq_pardec.models.loading import built_from_checkpoint, init_from_checkpoint
+from fairseq_pardec.models.sizes import tiny_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -194,16 +194,12 @@ class GlatDrafterModel(TransformerModel):
         fairseq's own decoder layers (dropout and all, for training)."""
         dec = self.decoder
         pad = dec.padding_idx
-        if not hasattr(self, "_embedder"):
-            object.__setattr__(self, "_embedder", BlockDecoder(dec))  # not a submodule
         steps = self.block_causal_steps(tokens)
         positions = torch.where(steps >= 0, steps + pad + 1, torch.full_like(steps, pad))
-        x = self._embedder.embed(tokens, positions).transpose(0, 1)
+        x = embed_at(dec, tokens, positions).transpose(0, 1)
         self_pad = tokens.eq(pad)
         mask = self.block_causal_mask(self.block_size, tokens.size(1), x)
-        enc = encoder_out["encoder_out"][0] if len(encoder_out["encoder_out"]) else None
-        enc_pad = (encoder_out["encoder_padding_mask"][0]
-                   if len(encoder_out["encoder_padding_mask"]) else None)
+        enc, enc_pad = encoder_states(encoder_out)
         for layer in dec.layers:
             x, _, _ = layer(x, enc, enc_pad, self_attn_mask=mask,
                             self_attn_padding_mask=self_pad if bool(self_pad.any()) else None)

@@ -10,7 +10,7 @@ One model class covers (``--ib-directions h``, ``--ib-words-per-direction c``,
 * h = 1, c = 1, vanilla positions: an ordinary Transformer.
 
 IBDecoder itself adds no parameters (IMDecoder adds h direction embeddings). The target order is
-``fairseq_pardec.ordering``'s. The model reorders its training data itself: ``forward`` takes
+``fairseq_pardec.models.interleaving``'s. The model reorders its training data itself: ``forward`` takes
 fairseq's usual ``prev_output_tokens`` (EOS + target) and ``get_targets`` reorders the targets,
 so the stock ``label_smoothed_cross_entropy`` and both translation tasks train it unchanged.
 Decoding goes through ``--generator interleaved``, which feeds interleaved tokens to the decoder,
@@ -31,10 +31,11 @@ from fairseq.models.transformer import (
     transformer_vaswani_wmt_en_de_big,
 )
 
-from .. import ordering
-from ..errors import UsageError
-from .loading import built_from_checkpoint, init_from_checkpoint
-from .sizes import tiny_sizes
+from fairseq_pardec.models import interleaving
+from fairseq_pardec.models.decoder_inputs import encoder_states
+from fairseq_pardec.errors import UsageError
+from fairseq_pardec.models.loading import built_from_checkpoint, init_from_checkpoint
+from fairseq_pardec.models.sizes import tiny_sizes
 
 POSITION_KINDS = ("signed", "vanilla", "learned")
 
@@ -72,14 +73,14 @@ class IBDecoderDecoder(TransformerDecoderBase):
         dim = like.size(-1)
         if self.position_kind == "signed":
             if h > 2:
-                pos = sinusoid(ordering.step_positions(slots, h, c), dim)
+                pos = sinusoid(interleaving.step_positions(slots, h, c), dim)
             else:
-                pos = sinusoid(ordering.signed_positions(slots, h, c), dim)
+                pos = sinusoid(interleaving.signed_positions(slots, h, c), dim)
             pos = pos.to(like)
         else:
             pos = None  # fairseq's own table, applied by the caller
         if self.direction_embeddings is not None:
-            direction = self.direction_embeddings(ordering.slot_direction(slots, h, c))
+            direction = self.direction_embeddings(interleaving.slot_direction(slots, h, c))
             pos = direction if pos is None else pos + direction
         return pos
 
@@ -95,16 +96,14 @@ class IBDecoderDecoder(TransformerDecoderBase):
         h, c = (self.h, self.c) if self.relaxed_mask else (1, 1)
         if incremental and h * c >= self.z:
             return None
-        mask = ordering.relaxed_causal_mask(length, h, c, device=like.device, dtype=like.dtype)
+        mask = interleaving.relaxed_causal_mask(length, h, c, device=like.device, dtype=like.dtype)
         return mask[first:]
 
     def extract_features_scriptable(self, prev_output_tokens, encoder_out=None,
                                     incremental_state=None, full_context_alignment=False,
                                     alignment_layer=None, alignment_heads=None):
         bsz, length = prev_output_tokens.size()
-        enc = encoder_out["encoder_out"][0] if encoder_out and len(encoder_out["encoder_out"]) else None
-        enc_pad = (encoder_out["encoder_padding_mask"][0]
-                   if encoder_out and len(encoder_out["encoder_padding_mask"]) else None)
+        enc, enc_pad = encoder_states(encoder_out)
         # vanilla / learned positions: fairseq's table over the flat index
         table = self.embed_positions(prev_output_tokens) if self.embed_positions is not None else None
         first = 0
@@ -174,7 +173,7 @@ class IBDecoderModel(TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         try:
-            ordering.check_directions(args.ib_directions, args.ib_words_per_direction)
+            interleaving.check_directions(args.ib_directions, args.ib_words_per_direction)
         except ValueError as error:
             raise UsageError(str(error))
         if args.ib_positions not in POSITION_KINDS:
@@ -208,7 +207,7 @@ class IBDecoderModel(TransformerModel):
         h, c = self.decoder.h, self.decoder.c
         limit = self.max_decoder_positions()
         n = limit
-        while n > 0 and ordering.num_steps(n, h, c) * h * c > limit:
+        while n > 0 and interleaving.num_steps(n, h, c) * h * c > limit:
             n -= 1
         return n + 1
 
@@ -223,7 +222,7 @@ class IBDecoderModel(TransformerModel):
         dictionary = self.decoder.dictionary
         pad, eos = dictionary.pad(), dictionary.eos()
         lengths = (target.ne(pad) & target.ne(eos)).sum(1)
-        flat = ordering.interleave(target, lengths, self.decoder.h, self.decoder.c, eos, pad)
+        flat = interleaving.interleave(target, lengths, self.decoder.h, self.decoder.c, eos, pad)
         limit = self.max_decoder_positions()
         if flat.size(1) > limit:  # fairseq filters by max_positions(); direct callers may not
             raise ValueError(

@@ -44,7 +44,7 @@ def init_from_checkpoint(model, path, flag, may_differ=(), skip=()):
 
     from fairseq import checkpoint_utils
 
-    from ..errors import UsageError
+    from fairseq_pardec.errors import UsageError
 
     if not os.path.isfile(path):
         raise UsageError("%s: no checkpoint file %r" % (flag, path))

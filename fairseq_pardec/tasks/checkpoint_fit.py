@@ -8,7 +8,7 @@ second warned about, in one line each.
 
 import os
 
-from ..errors import UsageError, warn
+from fairseq_pardec.errors import UsageError, warn
 
 
 def refuse_non_verifiers(models):
@@ -17,8 +17,8 @@ def refuse_non_verifiers(models):
     Only a drafter loaded from a checkpoint is refused: training one with ``--eval-bleu`` builds
     a generator for the new model, and that is fairseq's business.
     """
-    from ..models.glat_drafter import GlatDrafterModel
-    from ..models.loading import built_from_checkpoint
+    from fairseq_pardec.models.glat_drafter import GlatDrafterModel
+    from fairseq_pardec.models.loading import built_from_checkpoint
 
     for model in models:
         if isinstance(model, GlatDrafterModel) and built_from_checkpoint(model.args):

@@ -20,37 +20,17 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from .. import errors
-from ..errors import UsageError, running_a_cli
-from ..generators import GENERATORS
-from ..generators.fairseq_search import use_beam_one
-from ..generators.generation_options import GREEDY_ONLY, refuse
-from ..models.loading import mark_from_checkpoint
-from .checkpoint_fit import refuse_non_verifiers, warn_other_direction
+from fairseq_pardec import errors
+from fairseq_pardec.errors import UsageError, running_a_cli
+from fairseq_pardec.decoding.registry import GENERATORS, SPECS, help_text
+from fairseq_pardec.decoding.fairseq_baselines import use_beam_one
+from fairseq_pardec.decoding.options import ARG_VALIDATORS, refuse
+from fairseq_pardec.models.loading import mark_from_checkpoint
+from fairseq_pardec.tasks.checkpoint_fit import refuse_non_verifiers, warn_other_direction
 
 logger = logging.getLogger(__name__)
 
-GENERATOR_CHOICES = ChoiceEnum(list(GENERATORS))
-
-
-def non_negative_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected a number, got %r" % value)
-    if not number >= 0:
-        raise argparse.ArgumentTypeError("must be >= 0, got %s" % value)
-    return number
-
-
-def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected a positive integer, got %r" % value)
-    if number < 1:
-        raise argparse.ArgumentTypeError("must be >= 1, got %d" % number)
-    return number
+GENERATOR_CHOICES = ChoiceEnum(list(SPECS))
 
 
 @dataclass
@@ -58,14 +38,7 @@ class TranslationPardecConfig(TranslationConfig):
     generator: GENERATOR_CHOICES = field(
         default="beam",
         metadata={
-            "help": "decoding method: beam (fairseq beam search), greedy (beam 1), lean_greedy "
-            "(greedy's output from the draft-and-verify engine, nothing drafted), iad "
-            "(input-guided aggressive decoding: copy the source as a draft, lossless), lookup "
-            "(draft what followed the output's last tokens in the source, the output itself and "
-            "--draft-corpus; no drafter model, lossless), blockwise "
-            "(blockwise parallel decoding with a blockwise_transformer's proposal heads), gad "
-            "(generalized aggressive decoding with a glat_drafter, --drafter-path), interleaved "
-            "(multi-word beam search of ibdecoder models; beam and greedy map to it for them)"
+            "help": help_text()
         },
     )
     block_size: Optional[int] = field(
@@ -131,19 +104,6 @@ class TranslationPardecConfig(TranslationConfig):
     explicit_beam: Optional[int] = field(default=None, metadata={"help": argparse.SUPPRESS})
 
 
-# Flags whose values argparse must validate itself (the dataclass only knows their type).
-_ARG_VALIDATORS = {
-    "--block-size": positive_int,
-    "--blockwise-topk": positive_int,
-    "--min-block-size": positive_int,
-    "--blockwise-distance": non_negative_float,
-    "--gad-beta": positive_int,
-    "--gad-tau": non_negative_float,
-    "--interleaved-candidates": positive_int,
-    "--draft-vocab": positive_int,
-}
-
-
 class _RecordTypedBeam(argparse._StoreAction):
     """``--beam``, also remembering that it was typed (``explicit_beam``)."""
 
@@ -206,7 +166,7 @@ class TranslationPardecTask(TranslationTask):
     def add_args(cls, parser):
         super().add_args(parser)
         for action in parser._actions:
-            for flag, validator in _ARG_VALIDATORS.items():
+            for flag, validator in ARG_VALIDATORS.items():
                 if flag in action.option_strings:
                     action.type = validator
             if "--beam" in action.option_strings and type(action) is argparse._StoreAction:
@@ -302,7 +262,7 @@ class TranslationPardecTask(TranslationTask):
         for each in dict.fromkeys((asked, name)):  # greedy on an ibdecoder: both rule sets
             refuse(each, self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
                    explicit_beam=self.cfg.explicit_beam)
-        if asked in GREEDY_ONLY:
+        if SPECS[asked].greedy_only:
             args = use_beam_one(args)
         generator = GENERATORS[name](
             self,

@@ -5,7 +5,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
-from ..errors import UsageError
+from fairseq_pardec.errors import UsageError
 
 
 @dataclass
@@ -32,7 +32,7 @@ class DecodeStats:
     drafter_time: float = 0.0
     verifier_time: float = 0.0
     # positions where the fast step could not certify fairseq's choice, decided by fairseq's
-    # arithmetic instead (draft_verify.py, close_calls.py)
+    # arithmetic instead (draft_verify/engine.py, draft_verify/margin_guard.py)
     close_calls: int = 0
     # block positions the verifier computed: a greedy step verifies one per token
     positions_verified: int = 0

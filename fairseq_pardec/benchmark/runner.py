@@ -24,7 +24,8 @@ from argparse import Namespace
 
 import torch
 
-from fairseq_pardec.benchmark_specs import check_spec
+from fairseq_pardec.benchmark.report import markdown, plot
+from fairseq_pardec.benchmark.specs import check_spec
 from fairseq_pardec.errors import PREFIX, UsageError, one_line, warn
 
 logger = logging.getLogger("fairseq_pardec.benchmark")
@@ -167,14 +168,14 @@ def build(task, model, spec, defaults, use_cuda=False):
 
 
 def build_ct2(task, model, path, options, defaults, use_cuda):
-    from . import ctranslate2_rows
+    from fairseq_pardec.benchmark import ctranslate2_baseline
 
-    ctranslate2_rows.check_options(options)
-    model_dir = ctranslate2_rows.convert(
+    ctranslate2_baseline.check_options(options)
+    model_dir = ctranslate2_baseline.convert(
         model, path, defaults.data, os.path.join(defaults.out_dir, "ct2-cache"),
         defaults.source_lang, defaults.target_lang,
     )
-    return ctranslate2_rows.CTranslate2Generator(
+    return ctranslate2_baseline.CTranslate2Generator(
         model_dir, task.source_dictionary, task.target_dictionary,
         beam=int(options.get("beam", 1)), compute_type=str(options.get("compute_type", "float32")),
         threads=defaults.threads, device="cuda" if use_cuda else "cpu",
@@ -378,11 +379,11 @@ def run(args):
 
 
 def step_row(model, sample, ct2_row, args):
-    """One batch size's row of the step table (step_timing.py), on the first batch decoded."""
-    from fairseq_pardec import step_timing
+    """One batch size's row of the step table (step_table.py), on the first batch decoded."""
+    from fairseq_pardec.benchmark import step_table
 
     row = {"batch_size": int(sample["nsentences"]), "prefix": 16}
-    row.update(step_timing.step_costs(model, sample, prefix=row["prefix"]))
+    row.update(step_table.step_costs(model, sample, prefix=row["prefix"]))
     if ct2_row is not None and ct2_row.get("decoder_calls"):
         row["ct2_ms_per_step"] = 1000.0 * ct2_row["wall_time_s"] / ct2_row["decoder_calls"]
     return row
@@ -400,85 +401,6 @@ def iteration_cost(row, greedy_row):
         return None
     per_call = row["wall_time_s"] / row["decoder_calls"]
     return per_call / (greedy_row["wall_time_s"] / greedy_row["decoder_calls"])
-
-
-# ---------------------------------------------------------------------- reporting
-COLUMNS = [
-    ("generator", "generator", "%s"),
-    ("batch_size", "batch", "%d"),
-    ("mean_batch_size", "mean batch", "%.1f"),
-    ("bleu", "BLEU", "%.2f"),
-    ("chrf", "chrF", "%.2f"),
-    ("sentences_per_s", "sent/s", "%.1f"),
-    ("latency_ms_per_sentence", "ms/sent", "%.1f"),
-    ("speedup_vs_greedy", "x greedy", "%.2f"),
-    ("speedup_vs_beam", "x beam", "%.2f"),
-    ("speedup_vs_ct2", "x ct2", "%.2f"),
-    ("mean_accepted_tokens", "tokens/iter", "%.2f"),
-    ("iteration_cost", "iter cost", "%.2f"),
-    ("drafter_share", "drafter", "%.0f%%"),
-    ("verifier_share", "verifier", "%.0f%%"),
-    ("iterations_per_sentence", "iters/sent", "%.1f"),
-    ("identical_to_greedy", "= greedy", "%.1f%%"),
-    ("identical_to_source", "= source", "%.1f%%"),
-    ("first_divergence", "1st diff at", "%.1f"),
-]
-
-
-def markdown(meta, rows):
-    lines = [
-        "Machine: %s. Commit %s, %s, torch %s, %s. %d sentences of `%s`, median of %d "
-        "alternating runs after warm-up. *batch*: the batch size asked for; *mean batch*: the "
-        "batch size decoded; *iter cost*: wall time of one iteration (decoder call) in greedy "
-        "steps of the same batch (at batch 1 the tokens/iter needed to break even); *drafter*: "
-        "share of the decoding time spent drafting, *verifier*: in the verifier's decoder calls "
-        "(CPU only; the rest is the engine); *= source*: "
-        "share of outputs identical to their source (shared vocabularies only); *1st diff at*: "
-        "mean token index of the first difference from "
-        "greedy, over the sentences that differ."
-        % (meta["machine"], meta["commit"], meta["date"], meta["torch"], meta["precision"],
-           meta["sentences"], meta["gen_subset"], meta["repeats"]),
-        "",
-        "| " + " | ".join(c[1] for c in COLUMNS) + " |",
-        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|",
-    ]
-    for row in rows:
-        cells = []
-        for key, _, fmt in COLUMNS:
-            value = row.get(key)
-            if value is None:
-                cells.append("")
-            elif key in ("identical_to_greedy", "identical_to_source", "drafter_share",
-                         "verifier_share"):
-                cells.append(fmt % (100 * value))
-            else:
-                cells.append(fmt % value)
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for batch_size, marker in zip(sorted({r["batch_size"] for r in rows}), "osD^v"):
-        sub = [r for r in rows if r["batch_size"] == batch_size]
-        ax.scatter([r["sentences_per_s"] for r in sub], [r["bleu"] for r in sub], marker=marker,
-                   label="batch %d" % batch_size)
-        for r in sub:
-            ax.annotate(r["generator"], (r["sentences_per_s"], r["bleu"]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_xlabel("sentences / s (log scale)")
-    ax.set_ylabel("BLEU")
-    ax.set_title("quality vs speed")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def get_parser():
@@ -554,7 +476,7 @@ def main(args):
              "use --repeats 3 or more for timings to compare"
              % (args.repeats, "one run" if args.repeats == 1 else "%d runs" % args.repeats))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from .compat import restore_log_level
+    from fairseq_pardec.compat import restore_log_level
 
     restore_log_level()  # also when run as python -m, which importing the plugin leaves alone
     # fairseq and hydra log every dataset load and deprecation: keep the report readable
@@ -567,9 +489,9 @@ def main(args):
     meta, rows = run(args)
     table = markdown(meta, rows)
     if meta["steps"]:
-        from fairseq_pardec import step_timing
+        from fairseq_pardec.benchmark import step_table
 
-        table += "\n" + step_timing.markdown(
+        table += "\n" + step_table.markdown(
             meta["steps"], {r["batch_size"]: r["ct2_ms_per_step"] for r in meta["steps"]
                             if "ct2_ms_per_step" in r})
     os.makedirs(args.out_dir, exist_ok=True)

@@ -13,7 +13,7 @@ override :meth:`accept` and declare ``lossless = False``.
 
 import torch
 from torch import Tensor
-from ..errors import UsageError
+from fairseq_pardec.errors import UsageError
 
 
 class AcceptanceRule:

@@ -1,6 +1,6 @@
 """The margin guard: where the fast step's choice of token is certain, and fairseq's where not.
 
-The fast decoder step (fast_step.py) rounds differently from fairseq's op order: its
+The fast decoder step (step/fast.py) rounds differently from fairseq's op order: its
 log-probabilities are within ``margin`` of fairseq's (a bound measured with a wide safety factor,
 fast_step.DEFAULT_MARGIN). fairseq's beam-1 search continues with the first of
 ``topk(cumulative score + log-probs, 2)``. Where the fast step's best candidate leads its runner-up

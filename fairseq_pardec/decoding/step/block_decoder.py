@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import UsageError
+from fairseq_pardec.errors import UsageError
+from fairseq_pardec.models.decoder_inputs import embed_at, encoder_states
 
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules import (
     LearnedPositionalEmbedding,
-    MultiheadAttention,
     SinusoidalPositionalEmbedding,
 )
 
@@ -83,35 +83,9 @@ class BlockDecoder:
         return {}
 
     # ------------------------------------------------------------------ embeddings
-    def _position_embeddings(self, positions: Tensor) -> Optional[Tensor]:
-        """Rows of fairseq's own position table for explicit (already offset) positions."""
-        module = self.decoder.embed_positions
-        if module is None:
-            return None
-        if isinstance(module, LearnedPositionalEmbedding):
-            return F.embedding(positions, module.weight, module.padding_idx)
-        needed = int(positions.max()) + 1
-        if needed > module.weights.size(0):
-            # Let fairseq grow its sinusoid table exactly as it would itself.
-            module(positions.new_zeros(1, needed - module.padding_idx - 1))
-        return module.weights.index_select(0, positions.reshape(-1)).view(
-            positions.size() + (-1,)
-        ).detach()
-
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """Same operations, in the same order, as ``extract_features_scriptable``."""
-        dec = self.decoder
-        x = dec.embed_scale * dec.embed_tokens(tokens.contiguous())
-        if dec.quant_noise is not None:
-            x = dec.quant_noise(x)
-        if dec.project_in_dim is not None:
-            x = dec.project_in_dim(x)
-        pos = self._position_embeddings(positions)
-        if pos is not None:
-            x += pos
-        if dec.layernorm_embedding is not None:
-            x = dec.layernorm_embedding(x)
-        return dec.dropout_module(x)
+        """Token and position embeddings at explicit positions (models/decoder_inputs.py)."""
+        return embed_at(self.decoder, tokens, positions)
 
     # ------------------------------------------------------------------ forward
     def forward_block(
@@ -148,11 +122,7 @@ class BlockDecoder:
             x.new_full((length, length), float("-inf")), diagonal=1
         )
 
-        enc, enc_pad = None, None
-        if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
-            enc = encoder_out["encoder_out"][0]
-        if encoder_out is not None and len(encoder_out["encoder_padding_mask"]) > 0:
-            enc_pad = encoder_out["encoder_padding_mask"][0]
+        enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)
 
         for layer in dec.layers:
             x, _, _ = layer(
@@ -172,7 +142,7 @@ class BlockDecoder:
 
     def forward_packed(self, tokens, start, layout, encoder_out, incremental_state) -> Tensor:
         """:meth:`forward_block` with the features packed as ``layout`` (a
-        :class:`~fairseq_pardec.generators.block_layout.BlockLayout`) says: (N, d)."""
+        :class:`~fairseq_pardec.decoding.step.block_layout.BlockLayout`) says: (N, d)."""
         x = self.forward_block(tokens, start, layout.block_pad, encoder_out, incremental_state)
         return layout.pack(x)
 

@@ -19,8 +19,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..errors import UsageError
-from .drafters import CopyDrafter, pad_drafts
+from fairseq_pardec.errors import UsageError
+from fairseq_pardec.decoding.draft_verify.drafters.base import pad_drafts
+from fairseq_pardec.decoding.draft_verify.drafters.source_copy import CopyDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +105,9 @@ class NgramTable:
             context = (context + [token])[-self.order:]
         return out
 
-    # The table holds about 180 bytes per context, about 1.5 contexts per corpus token at order
-    # 4 (ddtp-de-en: 1.05M tokens, 1.5M contexts, 274 MB); past this many tokens the rest of a
-    # corpus is not read, so a whole training set cannot exhaust memory (about 1.3 GB by
-    # extrapolation from the ddtp measurement; 5M tokens were not measured).
+    # The table's memory grows with the corpus (a Python dict per context; docs/results.md,
+    # "Lookup drafting"): past this many tokens the rest of a corpus is not read, so a whole
+    # training set cannot exhaust memory.
     MAX_TOKENS = 5_000_000
 
     @classmethod
@@ -165,12 +165,8 @@ class LookupDrafter(CopyDrafter):
     in [BOS] + source or earlier in the output; the draft is what follows its first occurrence
     (the source before the output at equal length). Without a local match the n-gram table
     (if any) continues the output. The caps (fixed ``block_size`` or adaptive, under the CPU
-    ceiling) are the copy drafter's.
-
-    Measured on ddtp-de-en test (1,000 sentences, the verifier's greedy outputs, batch 1,
-    adaptive caps; examples/draft_acceptance.py): drafting from the source and the output alone
-    keeps 1.17 tokens per iteration (iad 1.10); with an n-gram table of 41k target sentences,
-    1.36 (docs/results.md, "Lookup drafting: acceptance without a model"; commit be6075e).
+    ceiling) are the copy drafter's. What each source of drafts adds is measured in
+    docs/results.md ("Lookup drafting: acceptance without a model").
     """
 
     LOCAL_ORDER = 4
@@ -223,11 +219,11 @@ class LookupDrafter(CopyDrafter):
         row_ids, lengths = rows.tolist(), n_out.tolist()
         self._read_new_tokens(row_ids, tokens, lengths)
         ceiling = self._ceiling(len(row_ids))
-        for row, room in zip(row_ids, max_len.tolist()):
-            cap = self._row_cap(row, room, ceiling)
+        for row, cap in zip(row_ids, self._row_caps(rows, max_len, ceiling)):
             draft = self._local(row, cap) if cap > 0 else []
             if not draft and cap > 0 and self.table is not None:
                 draft = self.table.continuation(self.outputs[row], cap)
             drafts.append(draft)
-        self._drafted = (row_ids, [len(d) for d in drafts])
-        return pad_drafts(drafts, self.pad, tokens.device)
+        draft, drafted = pad_drafts(drafts, self.pad, tokens.device)
+        self._drafted = (rows, drafted)  # observe's rows are these (tests pass none)
+        return draft, drafted

@@ -1,11 +1,18 @@
-"""Generator registry: the names accepted by ``--generator`` and how each is built.
+"""The registry of ``--generator`` names: one :class:`GeneratorSpec` per name says how the
+generator is built, what it promises (greedy-only or not), which family of fairseq's generation
+options it refuses, and which of the task's options it reads. The task's ``--generator`` choices
+and help, the option checks (options.py) and the benchmark read it from here.
 
 A builder takes ``(task, models, args, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None)``
 where ``args`` is fairseq's generation config, and returns an object with fairseq's
 ``generate(models, sample, **kwargs)`` and a ``stats`` :class:`DecodeStats`.
 """
 
-from .acceptance import (
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+from fairseq_pardec.decoding.decode_stats import DecodeStats
+from fairseq_pardec.decoding.draft_verify.acceptance import (
     AcceptanceRule,
     DistanceAcceptance,
     ExactAcceptance,
@@ -13,14 +20,42 @@ from .acceptance import (
     TopBetaTauAcceptance,
     TopKAcceptance,
 )
-from .draft_verify import DraftVerifyGenerator, build_draft_verify
-from .drafters import CachedNARDrafter, CopyDrafter, Drafter, HeadsDrafter, NARDrafter, NoDrafter
-from .fairseq_search import CountingSequenceGenerator, build_beam, build_greedy
-from .lookup import LookupDrafter, NgramTable
-from .interleaved_beam import InterleavedBeamSearch, build_interleaved
-from .generation_options import refuse
-from .stats import DecodeStats
-from ..errors import UsageError
+from fairseq_pardec.decoding.draft_verify.drafters import (
+    CachedNARDrafter,
+    CopyDrafter,
+    Drafter,
+    HeadsDrafter,
+    LookupDrafter,
+    NARDrafter,
+    NgramTable,
+    NoDrafter,
+)
+from fairseq_pardec.decoding.draft_verify.drafters.loading import load_drafter
+from fairseq_pardec.decoding.draft_verify.engine import DraftVerifyGenerator, build_draft_verify
+from fairseq_pardec.decoding.fairseq_baselines import (
+    CountingSequenceGenerator,
+    build_beam,
+    build_greedy,
+)
+from fairseq_pardec.decoding.interleaved_beam import build_interleaved
+from fairseq_pardec.errors import UsageError
+
+# Families: which generation options a generator can honour (options.py refuses the others).
+FAIRSEQ = "fairseq"  # fairseq's own SequenceGenerator: every option fairseq has
+DRAFT_VERIFY = "draft_verify"  # the draft-and-verify engine
+INTERLEAVED = "interleaved"  # IBDecoder's multi-word beam search
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """What the plugin knows about one ``--generator`` name."""
+
+    name: str
+    build: Callable
+    summary: str  # for --generator's help
+    family: str  # FAIRSEQ, DRAFT_VERIFY or INTERLEAVED
+    greedy_only: bool  # one hypothesis per sentence, beam 1 (a typed --beam N > 1 is refused)
+    task_options: Tuple[str, ...] = ()  # fields of TranslationPardecConfig it reads
 
 
 def build_iad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
@@ -97,8 +132,6 @@ def build_blockwise(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
 
 def build_gad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     """Generalized aggressive decoding: GLAT block drafter, AR verifier (GAD / GAD++)."""
-    from .drafter_loading import load_drafter
-
     cfg = task.cfg
     rule = TopBetaTauAcceptance(cfg.gad_beta, cfg.gad_tau)
     if len(models) != 1:
@@ -119,20 +152,42 @@ def build_gad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
                               extra_gen_cls_kwargs=extra_gen_cls_kwargs)
 
 
-GENERATORS = {
-    "beam": build_beam,
-    "greedy": build_greedy,
-    "iad": build_iad,
-    "lean_greedy": build_lean_greedy,
-    "lookup": build_lookup,
-    "blockwise": build_blockwise,
-    "gad": build_gad,
-    "interleaved": build_interleaved,
-}
+SPECS: Dict[str, GeneratorSpec] = {spec.name: spec for spec in (
+    GeneratorSpec("beam", build_beam, "fairseq beam search", FAIRSEQ, greedy_only=False),
+    GeneratorSpec("greedy", build_greedy, "beam 1", FAIRSEQ, greedy_only=True),
+    GeneratorSpec("lean_greedy", build_lean_greedy, "greedy's output from the draft-and-verify "
+                  "engine, nothing drafted", DRAFT_VERIFY, greedy_only=True),
+    GeneratorSpec("iad", build_iad, "input-guided aggressive decoding: copy the source as a "
+                  "draft, lossless", DRAFT_VERIFY, greedy_only=True, task_options=("block_size",)),
+    GeneratorSpec("lookup", build_lookup, "draft what followed the output's last tokens in the "
+                  "source, the output itself and --draft-corpus; no drafter model, lossless",
+                  DRAFT_VERIFY, greedy_only=True,
+                  task_options=("block_size", "draft_corpus", "gad_beta", "gad_tau")),
+    GeneratorSpec("blockwise", build_blockwise, "blockwise parallel decoding with a "
+                  "blockwise_transformer's proposal heads", DRAFT_VERIFY, greedy_only=True,
+                  task_options=("block_size", "blockwise_topk", "blockwise_distance",
+                                "min_block_size", "draft_vocab")),
+    GeneratorSpec("gad", build_gad, "generalized aggressive decoding with a glat_drafter, "
+                  "--drafter-path", DRAFT_VERIFY, greedy_only=True,
+                  task_options=("block_size", "drafter_path", "gad_beta", "gad_tau", "draft_vocab")),
+    GeneratorSpec("interleaved", build_interleaved, "multi-word beam search of ibdecoder models; "
+                  "beam and greedy map to it for them", INTERLEAVED, greedy_only=False,
+                  task_options=("interleaved_candidates",)),
+)}
+
+# name -> builder (what fairseq's build_generator calls)
+GENERATORS = {name: spec.build for name, spec in SPECS.items()}
+
+
+def help_text() -> str:
+    """``--generator``'s help: every name with its one-line summary."""
+    return "decoding method: " + ", ".join("%s (%s)" % (s.name, s.summary) for s in SPECS.values())
+
 
 __all__ = [
     "GENERATORS",
-    "refuse",
+    "SPECS",
+    "GeneratorSpec",
     "AcceptanceRule",
     "ExactAcceptance",
     "CopyDrafter",

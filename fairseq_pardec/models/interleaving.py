@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import List, Sequence, Tuple
 
 import torch
-from .errors import UsageError
+from fairseq_pardec.errors import UsageError
 
 __all__ = [
     "check_directions",

@@ -6,8 +6,11 @@ Equal in exact arithmetic, not in floats: adding a cumulative score of about -30
 log-probs a few 1e-6 apart to the same value (then ``topk``'s tie order decides) or to the
 other order. The cumulative score itself is a float32 sum rounded after every step, in order;
 ``torch.cumsum`` accumulates in double on the CPU and in a parallel order on a GPU, so it is
-not the same number. This module reproduces both, for every position of a verified block.
+not the same number. This module reproduces both, for every position of a verified block, and
+the edits fairseq makes to every step's log-probabilities first.
 """
+
+import math
 
 import numpy as np
 import torch
@@ -75,3 +78,14 @@ def beam_one_choice(lprobs: Tensor, scores_before: Tensor):
         tokens[tied] = torch.cat([candidates[i: i + 1].topk(k, dim=-1).indices[:, 0]
                                   for i in range(candidates.size(0))])
     return tokens, top.values
+
+
+def token_rules(lprobs: Tensor, pad: int, unk: int, unk_penalty: float) -> Tensor:
+    """fairseq's first edits of a step's log-probabilities (``SequenceGenerator._generate``): NaN
+    becomes -inf, padding is never chosen, the unknown word pays ``--unkpen``. In place on
+    (..., V); returns ``lprobs``."""
+    torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    lprobs[..., pad] = -math.inf
+    if unk_penalty:
+        lprobs[..., unk] -= unk_penalty
+    return lprobs

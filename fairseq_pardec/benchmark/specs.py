@@ -9,7 +9,7 @@ labelled with an option that never applied.
 
 import argparse
 
-from .errors import UsageError
+from fairseq_pardec.errors import UsageError
 
 # keys of the spec itself, not of a config: another checkpoint, the row's name
 SPEC_KEYS = ("path", "label")
@@ -24,12 +24,13 @@ def check_spec(spec, options):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from .generators import GENERATORS
-    from .tasks.translation_pardec import _ARG_VALIDATORS, TranslationPardecConfig
+    from fairseq_pardec.decoding.registry import GENERATORS
+    from fairseq_pardec.decoding.options import ARG_VALIDATORS
+    from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig
 
     name = spec.partition(":")[0]
     if name == "ct2":
-        return  # ctranslate2_rows checks its own options
+        return  # ctranslate2_baseline.py checks its own options
     if name not in GENERATORS:
         raise UsageError("--generators %s: no generator %r; choose from %s, ct2"
                          % (spec, name, ", ".join(GENERATORS)))
@@ -52,7 +53,7 @@ def check_spec(spec, options):
                              % (spec, key, given.get(key), " (expected %s)" % _type_name(expected)
                                 if expected is not None else "")) from None
     for key, value in config_options.items():
-        validate = _ARG_VALIDATORS.get("--" + key.replace("_", "-"))
+        validate = ARG_VALIDATORS.get("--" + key.replace("_", "-"))
         if validate is not None:
             try:
                 validate(str(value))

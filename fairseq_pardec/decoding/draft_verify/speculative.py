@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from ..errors import UsageError
+from fairseq_pardec.errors import UsageError
 
 
 class SamplingFilter:

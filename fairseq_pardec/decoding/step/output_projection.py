@@ -1,11 +1,9 @@
 """A decoder's output projection for a few rows at a time on the CPU.
 
 On the CPU the projection onto the vocabulary is the largest product of a decoding step, and
-MKL, which ``F.linear`` calls, is slow at it for the row counts decoding has (1 to 64): for
-ddtp-de-en's 8,184 x 256 output embedding, not in cache (as in decoding), one row costs 0.9 ms,
-2 rows 1.2-1.6 ms, 8 rows 1.9-2.2 ms (AMD EPYC, 2 threads). oneDNN with the weight packed once
-into its blocked layout streams it once for all rows: 0.36-0.49, 0.44-0.47 and 0.59-0.67 ms
-(``examples/projection_cost.py``; docs/results.md, "A packed output projection").
+MKL, which ``F.linear`` calls, is slow at it for the row counts decoding has (1 to 64); oneDNN
+with the weight packed once into its blocked layout is about twice as fast there (docs/results.md,
+"A packed output projection"; ``examples/projection_cost.py``).
 :class:`OutputProjection` keeps that packed copy, refreshed when the weight changes, and falls
 back to a contiguous transposed copy (``x @ W_t``, faster than ``F.linear`` too) where oneDNN
 cannot run.
@@ -20,7 +18,7 @@ from torch import Tensor
 
 from fairseq.models.transformer import TransformerDecoderBase
 
-from ..errors import UsageError
+from fairseq_pardec.errors import UsageError
 
 
 def base_projection(decoder) -> Optional[torch.nn.Linear]:
@@ -125,7 +123,7 @@ class ShortlistProjection(OutputProjection):
     A draft is only a proposal: the verifier still scores the whole vocabulary, so what a
     shortlist costs is the drafts it cannot make (a type outside it is never drafted), and what
     it saves is most of the drafter's vocabulary projection, which at batch 1 on the CPU streams
-    the whole output embedding per call (8,180 x 256 floats for ddtp-de-en).
+    the whole output embedding per call.
     """
 
     def __init__(self, projection: torch.nn.Linear, ids: Tensor, vocab_size: int):

@@ -26,18 +26,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..errors import UsageError
+from fairseq_pardec.errors import UsageError
 
-from .beam_one import beam_one_choice, running_scores
-from .block_layout import BlockLayout
-from .close_calls import close_calls, fairseq_decision
-from .draft_backoff import DraftBackoff
-from .speculative import SamplingFilter, SpeculativeSampler
-from .drafters import pad_drafts
-from .generation_options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
+from fairseq_pardec.decoding.fairseq_rules import (beam_one_choice, running_scores,
+                                                             token_rules)
+from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls, fairseq_decision
+from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
+from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
+from fairseq_pardec.decoding.draft_verify.drafters import pad_drafts
+from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
-from .lean_decoder import block_decoder_for
-from .stats import DecodeStats, StatsGenerator
+from fairseq_pardec.decoding.step.lean import block_decoder_for
+from fairseq_pardec.decoding.decode_stats import DecodeStats, StatsGenerator
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,8 @@ class DraftVerifyGenerator(StatsGenerator):
         self.model = models[0]
         self.block_decoder = block_decoder_for(self.model.decoder, lean, fast)
         # The fast step rounds differently from fairseq: with exact acceptance, close calls
-        # are decided with fairseq's arithmetic (close_calls.py)
-        from .fast_step import DEFAULT_MARGIN
+        # are decided with fairseq's arithmetic (draft_verify/margin_guard.py)
+        from fairseq_pardec.decoding.step.fast import DEFAULT_MARGIN
 
         self.margin = DEFAULT_MARGIN if margin is None else margin
         self.tgt_dict = tgt_dict
@@ -96,7 +97,7 @@ class DraftVerifyGenerator(StatsGenerator):
         self.stats = DecodeStats()
         self.symbols_to_strip_from_output = {self.eos}
         self.src_pad = self.pad
-        # rows whose drafts keep being rejected stop drafting for a while (draft_backoff.py)
+        # rows whose drafts keep being rejected stop drafting for a while (draft_verify/backoff.py)
         self.backoff = backoff
         # --sampling: speculative sampling replaces the acceptance rule (speculative.py)
         self.sampler = sampler
@@ -121,10 +122,7 @@ class DraftVerifyGenerator(StatsGenerator):
             bar_eos_possible: False when every row is past --min-len (skips that edit).
         Returns the (N,) forced tokens (-1 where nothing is forced), or None if none are.
         """
-        torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        lprobs[:, self.pad] = -math.inf
-        if self.unk_penalty:
-            lprobs[:, self.unk] -= self.unk_penalty
+        token_rules(lprobs, self.pad, self.unk, self.unk_penalty)
         at_max_grid = steps >= max_len
         at_max = None
         if bool(at_max_grid.any()):
@@ -401,7 +399,7 @@ class DraftVerifyGenerator(StatsGenerator):
 
 def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None,
                        extra_gen_cls_kwargs=None):
-    """Build through fairseq's own mapping of the generation config (generation_options.py).
+    """Build through fairseq's own mapping of the generation config (options.py).
 
     The task has refused what this generator cannot honour. With ``--sampling`` the random
     draws are seeded from ``seed``, by default torch's initial seed, which ``fairseq-generate``

@@ -19,12 +19,13 @@ import math
 
 import torch
 
-from .. import ordering
-from ..errors import UsageError
-from .generation_options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
+from fairseq_pardec.models import interleaving
+from fairseq_pardec.errors import UsageError
+from fairseq_pardec.decoding.fairseq_rules import token_rules
+from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
-from .output_projection import OutputProjection, plain_output_projection
-from .stats import DecodeStats, StatsGenerator
+from fairseq_pardec.decoding.step.output_projection import OutputProjection, plain_output_projection
+from fairseq_pardec.decoding.decode_stats import DecodeStats, StatsGenerator
 
 
 class InterleavedBeamSearch(StatsGenerator):
@@ -113,9 +114,7 @@ class InterleavedBeamSearch(StatsGenerator):
             lprobs = torch.log_softmax(logits.float(), dim=-1)  # (N, z, V)
             self.stats.decoder_calls += 1
             self.stats.row_iterations += sent_ids.numel()
-            lprobs[lprobs != lprobs] = -math.inf
-            lprobs[:, :, self.pad] = -math.inf
-            lprobs[:, :, self.unk] -= self.unk_penalty
+            token_rules(lprobs, self.pad, self.unk, self.unk_penalty)
             if step == max_steps - 1:  # length limit: every slot ends
                 eos_lp = lprobs[:, :, self.eos].clone()
                 lprobs.fill_(-math.inf)
@@ -180,8 +179,8 @@ class InterleavedBeamSearch(StatsGenerator):
 
     def _hypothesis(self, flat, flat_lp, total_score):
         """Flat decoded slots -> fairseq hypothesis in reading order."""
-        words = ordering.deinterleave(flat, self.h, self.c, self.eos)
-        indices = ordering.interleave_indices(len(words), self.h, self.c)
+        words = interleaving.deinterleave(flat, self.h, self.c, self.eos)
+        indices = interleaving.interleave_indices(len(words), self.h, self.c)
         # per-word scores in reading order (a word's slot), EOS slots summed at the end
         lp = flat_lp.tolist()
         by_word = [0.0] * len(words)
@@ -208,7 +207,7 @@ class InterleavedBeamSearch(StatsGenerator):
 
 
 def build_interleaved(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
-    """Build through fairseq's own mapping of the generation config (generation_options.py)."""
+    """Build through fairseq's own mapping of the generation config (options.py)."""
     decoder = getattr(models[0], "decoder", None) if models else None
     candidates = task.cfg.interleaved_candidates
     if candidates is None:  # DOUBLETOPK for the double-token variant, fairseq's 2x otherwise

@@ -1,4 +1,5 @@
-"""What each generator refuses, and fairseq's one mapping of the generation config.
+"""The task's options, what each generator refuses, and fairseq's one mapping of the generation
+config.
 
 fairseq maps its generation config (``--beam``, ``--max-len-a/b``, ``--sampling``, ...) to a
 generator's arguments in ``FairseqTask.build_generator``; our generators are built through that
@@ -8,53 +9,70 @@ honour, a generation option or another generator's task option, is refused here 
 user gets without saying so.
 """
 
+import argparse
+
 from fairseq import search
 from fairseq.tasks.fairseq_task import FairseqTask
 
-from ..errors import UsageError
+from fairseq_pardec.errors import UsageError
 
-# Generators that decode greedily (one hypothesis, beam 1), and the one beam search of ours.
-GREEDY_ONLY = ("greedy", "lean_greedy", "iad", "lookup", "gad", "blockwise")
-DRAFT_VERIFY = ("lean_greedy", "iad", "lookup", "gad", "blockwise")
-INTERLEAVED = ("interleaved",)
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a positive integer, got %r" % value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be >= 1, got %d" % number)
+    return number
+
+
+def non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a number, got %r" % value)
+    if not number >= 0:
+        raise argparse.ArgumentTypeError("must be >= 0, got %s" % value)
+    return number
+
+
+# The task's own options (--task translation_pardec): flag, default, and the check argparse runs
+# on the value (the config dataclass knows only its type). Which generators read each one is in
+# the registry (GeneratorSpec.task_options); every other generator refuses a non-default value.
+TASK_OPTIONS = {
+    "block_size": ("--block-size", None, positive_int),
+    "draft_corpus": ("--draft-corpus", None, None),
+    "drafter_path": ("--drafter-path", None, None),
+    "gad_beta": ("--gad-beta", 1, positive_int),
+    "gad_tau": ("--gad-tau", 0.0, non_negative_float),
+    "blockwise_topk": ("--blockwise-topk", 1, positive_int),
+    "blockwise_distance": ("--blockwise-distance", None, non_negative_float),
+    "min_block_size": ("--min-block-size", 1, positive_int),
+    "draft_vocab": ("--draft-vocab", None, positive_int),
+    "interleaved_candidates": ("--interleaved-candidates", None, positive_int),
+}
+
+# flag -> argparse check, for the flags that have one
+ARG_VALIDATORS = {flag: check for flag, _, check in TASK_OPTIONS.values() if check is not None}
 
 
 def _set(value, off=(None, False, 0, "", "none")):
     return value not in off
 
 
-# flag, whether the generation config sets it, the generators of ours that refuse it
+# flag, whether the generation config sets it, the families of generators that refuse it
+# (registry.py: fairseq's own generators honour every option)
+_OURS = ("draft_verify", "interleaved")
 REFUSALS = (
-    ("--diverse-beam-groups", lambda a: (getattr(a, "diverse_beam_groups", -1) or -1) > 0,
-     DRAFT_VERIFY + INTERLEAVED),
-    ("--diversity-rate", lambda a: (getattr(a, "diversity_rate", -1) or -1) > -1,
-     DRAFT_VERIFY + INTERLEAVED),
-    ("--match-source-len", lambda a: _set(getattr(a, "match_source_len", False)),
-     DRAFT_VERIFY + INTERLEAVED),
-    ("--constraints", lambda a: _set(getattr(a, "constraints", None)), DRAFT_VERIFY + INTERLEAVED),
-    ("--no-repeat-ngram-size", lambda a: _set(getattr(a, "no_repeat_ngram_size", 0)),
-     DRAFT_VERIFY + INTERLEAVED),
-    ("--print-alignment", lambda a: _set(getattr(a, "print_alignment", None)),
-     DRAFT_VERIFY + INTERLEAVED),
-    ("--sampling", lambda a: _set(getattr(a, "sampling", False)), INTERLEAVED),
-    ("--temperature", lambda a: getattr(a, "temperature", 1.0) != 1.0, INTERLEAVED),
+    ("--diverse-beam-groups", lambda a: (getattr(a, "diverse_beam_groups", -1) or -1) > 0, _OURS),
+    ("--diversity-rate", lambda a: (getattr(a, "diversity_rate", -1) or -1) > -1, _OURS),
+    ("--match-source-len", lambda a: _set(getattr(a, "match_source_len", False)), _OURS),
+    ("--constraints", lambda a: _set(getattr(a, "constraints", None)), _OURS),
+    ("--no-repeat-ngram-size", lambda a: _set(getattr(a, "no_repeat_ngram_size", 0)), _OURS),
+    ("--print-alignment", lambda a: _set(getattr(a, "print_alignment", None)), _OURS),
+    ("--sampling", lambda a: _set(getattr(a, "sampling", False)), ("interleaved",)),
+    ("--temperature", lambda a: getattr(a, "temperature", 1.0) != 1.0, ("interleaved",)),
 )
-
-
-# Task options (--task translation_pardec) and the generators that read them, with their
-# defaults: any other generator refuses a non-default value.
-TASK_OPTION_USERS = {
-    "block_size": ("--block-size", None, ("iad", "lookup", "gad", "blockwise")),
-    "draft_corpus": ("--draft-corpus", None, ("lookup",)),
-    "drafter_path": ("--drafter-path", None, ("gad",)),
-    "gad_beta": ("--gad-beta", 1, ("gad", "lookup")),
-    "gad_tau": ("--gad-tau", 0.0, ("gad", "lookup")),
-    "blockwise_topk": ("--blockwise-topk", 1, ("blockwise",)),
-    "blockwise_distance": ("--blockwise-distance", None, ("blockwise",)),
-    "min_block_size": ("--min-block-size", 1, ("blockwise",)),
-    "draft_vocab": ("--draft-vocab", None, ("gad", "blockwise")),
-    "interleaved_candidates": ("--interleaved-candidates", None, ("interleaved",)),
-}
 
 
 def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None,
@@ -65,18 +83,23 @@ def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_token
     is the ``--beam`` the user typed (None if not typed): fairseq's default beam is 5, so only a
     typed value tells a greedy-only generator that a beam was asked for.
     """
-    for attr, (flag, default, users) in TASK_OPTION_USERS.items():
+    from fairseq_pardec.decoding.registry import SPECS  # the registry's builders import us
+
+    spec = SPECS[name]
+    for attr, (flag, default, _) in TASK_OPTIONS.items():
         value = getattr(task_cfg, attr, default)
-        if name not in users and value is not None and value != default:
+        if attr not in spec.task_options and value is not None and value != default:
+            users = [s.name for s in SPECS.values() if attr in s.task_options]
             raise UsageError("%s is an option of --generator %s; --generator %s does not use it"
                              % (flag, " / ".join(users), name))
     for flag, is_set, refusers in REFUSALS:
-        if name in refusers and is_set(args):
+        if spec.family in refusers and is_set(args):
             raise UsageError("--generator %s does not support %s; use --generator beam" % (name, flag))
+    ours = spec.family in _OURS
     lm = (extra_gen_cls_kwargs or {}).get("lm_model")
-    if name in DRAFT_VERIFY + INTERLEAVED and lm is not None:
+    if ours and lm is not None:
         raise UsageError("--generator %s does not support --lm-path; use --generator beam" % name)
-    if name in DRAFT_VERIFY + INTERLEAVED and prefix_allowed_tokens_fn is not None:
+    if ours and prefix_allowed_tokens_fn is not None:
         raise UsageError("--generator %s does not support prefix_allowed_tokens_fn; use "
                          "--generator beam" % name)
     sampling = bool(getattr(args, "sampling", False))
@@ -84,7 +107,7 @@ def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_token
                   or (getattr(args, "sampling_topp", -1.0) or -1.0) > 0)
     if truncation and not sampling:
         raise UsageError("--sampling-topk and --sampling-topp need --sampling")
-    if name in GREEDY_ONLY:
+    if spec.greedy_only:
         nbest = getattr(args, "nbest", 1)
         if nbest != 1:
             raise UsageError("--generator %s returns one hypothesis; drop --nbest %d or use "
@@ -94,7 +117,7 @@ def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_token
             what = "draws one sample per sentence" if sampling else "decodes greedily (beam 1)"
             raise UsageError("--generator %s %s; drop --beam %d or use --generator beam"
                              % (name, what, beam))
-    elif name in INTERLEAVED:
+    elif spec.family == "interleaved":
         nbest, beam = getattr(args, "nbest", 1), getattr(args, "beam", 5)
         if nbest > beam:
             raise UsageError("--nbest %d is larger than --beam %d" % (nbest, beam))

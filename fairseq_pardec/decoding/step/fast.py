@@ -1,6 +1,6 @@
 """The fast decoder step: a static key/value cache, fused projections, one attention kernel.
 
-:class:`~fairseq_pardec.generators.lean_decoder.LeanBlockDecoder` repeats fairseq's operations in
+:class:`~fairseq_pardec.decoding.step.lean.LeanBlockDecoder` repeats fairseq's operations in
 fairseq's order, so that its features are bit for bit the module path's. That order costs: the
 cache grows by ``torch.cat`` in every layer of every step (the whole cache is copied each time),
 three separate query/key/value products per layer, the query scaled after its product, attention
@@ -21,9 +21,9 @@ The result is the same function rounded differently (folded scaling, fused produ
 softmax kernel): its log-probabilities differ from fairseq's by a few 1e-6 in float32 (measured
 in tests/test_fast_step.py and docs/methods.md). The engine therefore trusts its choice of token
 only where the best candidate leads the runner-up by more than :data:`DEFAULT_MARGIN` and decides
-the rare closer calls with fairseq's own arithmetic (draft_verify.py, "margin guard").
+the rare closer calls with fairseq's own arithmetic (draft_verify/engine.py, "margin guard").
 
-It covers what :func:`~fairseq_pardec.generators.lean_decoder.lean_supported` covers, in float32
+It covers what :func:`~fairseq_pardec.decoding.step.lean.lean_supported` covers, in float32
 on the CPU; elsewhere the engine uses the lean step.
 """
 
@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .block_layout import BlockLayout
-from .lean_decoder import LeanBlockDecoder, lean_supported
+from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
+from fairseq_pardec.models.decoder_inputs import encoder_states
 
 # A bound on |fast log-prob - fairseq log-prob| in float32, with a wide safety factor: the largest
 # difference measured on the test models and on trained d256 models is below 2e-5
@@ -134,11 +135,7 @@ class FastBlockDecoder(LeanBlockDecoder):
 
     # ------------------------------------------------------------------ forward
     def _start(self, cache: FastCache, encoder_out, bsz: int, device, dtype):
-        enc, enc_pad = None, None
-        if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
-            enc = encoder_out["encoder_out"][0]  # (S, B, C)
-        if encoder_out is not None and len(encoder_out["encoder_padding_mask"]) > 0:
-            enc_pad = encoder_out["encoder_padding_mask"][0]
+        enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)
         cache.enc_attend = None
         if enc_pad is not None and bool(enc_pad.any()):
             cache.enc_attend = (~enc_pad.bool()).view(bsz, 1, 1, -1)

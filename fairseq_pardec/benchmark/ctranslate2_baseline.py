@@ -18,8 +18,8 @@ import weakref
 
 import torch
 
-from .errors import UsageError
-from .generators.stats import DecodeStats, count_hypotheses
+from fairseq_pardec.errors import UsageError
+from fairseq_pardec.decoding.decode_stats import DecodeStats, count_hypotheses
 
 INSTALL_HINT = (
     "the ct2 generator needs CTranslate2: pip install -e '.[ct2]' (or pip install ctranslate2)"

@@ -1,6 +1,6 @@
 """A lean block step for plain fairseq Transformer decoders: fairseq's arithmetic, less Python.
 
-:class:`~fairseq_pardec.generators.incremental.BlockDecoder` runs a block through fairseq's own
+:class:`~fairseq_pardec.decoding.step.block_decoder.BlockDecoder` runs a block through fairseq's own
 modules. Per decoder layer that is a few dozen ``nn.Module`` calls, incremental-state dictionary
 lookups, float padding masks concatenated and converted per layer, head-averaged attention
 weights nobody reads; at batch 1 on a CPU this framework work costs more than the matrix
@@ -36,9 +36,10 @@ from torch import Tensor
 from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-from .block_layout import BlockLayout
-from .incremental import BlockDecoder, check_supported_decoder
-from .output_projection import OutputProjection, plain_output_projection
+from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.step.block_decoder import BlockDecoder, check_supported_decoder
+from fairseq_pardec.decoding.step.output_projection import OutputProjection, plain_output_projection
+from fairseq_pardec.models.decoder_inputs import encoder_states
 
 
 def _same(t: Tensor) -> Tensor:
@@ -124,11 +125,7 @@ class LeanBlockDecoder(BlockDecoder):
 
     # ------------------------------------------------------------------ forward
     def _project_encoder(self, cache: LeanCache, encoder_out, bsz: int):
-        enc, enc_pad = None, None
-        if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
-            enc = encoder_out["encoder_out"][0]
-        if encoder_out is not None and len(encoder_out["encoder_padding_mask"]) > 0:
-            enc_pad = encoder_out["encoder_padding_mask"][0]
+        enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)
         # fairseq's encoder mask is applied only where it masks something (same values)
         cache.enc_pad = enc_pad.bool() if enc_pad is not None and bool(enc_pad.any()) else None
         for layer in self.layers:
@@ -350,7 +347,7 @@ def block_decoder_for(decoder, lean: bool = True, fast: bool = False) -> BlockDe
     decoder's layers allow it, else fairseq's modules."""
     check_supported_decoder(decoder)
     if lean and fast:
-        from .fast_step import FastBlockDecoder, fast_supported
+        from fairseq_pardec.decoding.step.fast import FastBlockDecoder, fast_supported
 
         if fast_supported(decoder):
             return FastBlockDecoder(decoder)

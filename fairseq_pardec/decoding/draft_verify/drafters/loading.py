@@ -9,7 +9,7 @@ import os
 import torch
 
 from fairseq import checkpoint_utils
-from ..errors import UsageError
+from fairseq_pardec.errors import UsageError
 
 
 def _arch(state):

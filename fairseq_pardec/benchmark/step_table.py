@@ -7,7 +7,7 @@ pay. For each batch size the table times, on the benchmark's own sentences with 
 
 * fairseq's incremental step (what ``fairseq-generate --beam 1`` calls once per token), with
   its output projection and log-softmax, and the lean step (fairseq's operations in fairseq's
-  order, lean_decoder.py) for one position;
+  order, step/lean.py) for one position;
 * the engine's block step for blocks of 1, 4, 8 and 16 positions (the fast step where it runs,
   else the lean step), projection and log-softmax included; the block is rolled back after each
   call so the cache stays at ``prefix``.
@@ -21,8 +21,8 @@ from typing import Dict, List
 
 import torch
 
-from .generators.block_layout import BlockLayout
-from .generators.lean_decoder import block_decoder_for
+from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.step.lean import block_decoder_for
 
 BLOCKS = (1, 4, 8, 16)
 

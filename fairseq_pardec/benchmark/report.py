@@ -1,0 +1,78 @@
+"""The benchmark's report: the results table (markdown) and the quality-vs-speed plot."""
+
+COLUMNS = [
+    ("generator", "generator", "%s"),
+    ("batch_size", "batch", "%d"),
+    ("mean_batch_size", "mean batch", "%.1f"),
+    ("bleu", "BLEU", "%.2f"),
+    ("chrf", "chrF", "%.2f"),
+    ("sentences_per_s", "sent/s", "%.1f"),
+    ("latency_ms_per_sentence", "ms/sent", "%.1f"),
+    ("speedup_vs_greedy", "x greedy", "%.2f"),
+    ("speedup_vs_beam", "x beam", "%.2f"),
+    ("speedup_vs_ct2", "x ct2", "%.2f"),
+    ("mean_accepted_tokens", "tokens/iter", "%.2f"),
+    ("iteration_cost", "iter cost", "%.2f"),
+    ("drafter_share", "drafter", "%.0f%%"),
+    ("verifier_share", "verifier", "%.0f%%"),
+    ("iterations_per_sentence", "iters/sent", "%.1f"),
+    ("identical_to_greedy", "= greedy", "%.1f%%"),
+    ("identical_to_source", "= source", "%.1f%%"),
+    ("first_divergence", "1st diff at", "%.1f"),
+]
+
+
+def markdown(meta, rows):
+    lines = [
+        "Machine: %s. Commit %s, %s, torch %s, %s. %d sentences of `%s`, median of %d "
+        "alternating runs after warm-up. *batch*: the batch size asked for; *mean batch*: the "
+        "batch size decoded; *iter cost*: wall time of one iteration (decoder call) in greedy "
+        "steps of the same batch (at batch 1 the tokens/iter needed to break even); *drafter*: "
+        "share of the decoding time spent drafting, *verifier*: in the verifier's decoder calls "
+        "(CPU only; the rest is the engine); *= source*: "
+        "share of outputs identical to their source (shared vocabularies only); *1st diff at*: "
+        "mean token index of the first difference from "
+        "greedy, over the sentences that differ."
+        % (meta["machine"], meta["commit"], meta["date"], meta["torch"], meta["precision"],
+           meta["sentences"], meta["gen_subset"], meta["repeats"]),
+        "",
+        "| " + " | ".join(c[1] for c in COLUMNS) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|",
+    ]
+    for row in rows:
+        cells = []
+        for key, _, fmt in COLUMNS:
+            value = row.get(key)
+            if value is None:
+                cells.append("")
+            elif key in ("identical_to_greedy", "identical_to_source", "drafter_share",
+                         "verifier_share"):
+                cells.append(fmt % (100 * value))
+            else:
+                cells.append(fmt % value)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for batch_size, marker in zip(sorted({r["batch_size"] for r in rows}), "osD^v"):
+        sub = [r for r in rows if r["batch_size"] == batch_size]
+        ax.scatter([r["sentences_per_s"] for r in sub], [r["bleu"] for r in sub], marker=marker,
+                   label="batch %d" % batch_size)
+        for r in sub:
+            ax.annotate(r["generator"], (r["sentences_per_s"], r["bleu"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("sentences / s (log scale)")
+    ax.set_ylabel("BLEU")
+    ax.set_title("quality vs speed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

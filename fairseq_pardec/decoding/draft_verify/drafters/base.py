@@ -1,0 +1,137 @@
+"""The drafter interface of the draft-and-verify engine, and the drafter that drafts nothing.
+
+A drafter gets the batch once (``start``) and is then asked, every iteration, for up to
+``max_len[b]`` draft tokens per active row given the tokens accepted so far.
+"""
+
+import threading
+from typing import List
+
+import torch
+from torch import Tensor
+
+def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
+    """Ragged python drafts -> (B, K) padded tensor and (B,) lengths."""
+    lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+    width = int(lengths.max()) if len(drafts) else 0
+    out = torch.full((len(drafts), width), pad, dtype=torch.long)
+    for row, draft in enumerate(drafts):
+        if draft:
+            out[row, : len(draft)] = torch.tensor(draft, dtype=torch.long)
+    return out.to(device), lengths.to(device)
+
+
+class AdaptiveCaps:
+    """Per-row draft caps that follow acceptance: a row drafts at most twice its recent mean of
+    accepted draft tokens, plus one (an exponential mean, weight 1/2 on the last iteration).
+
+    A row whose drafts keep being rejected (translation, a heavy rewrite) drafts one token, so
+    its iterations cost about a greedy step; a row that drafts well drafts up to the drafter's
+    ceiling. ``initial`` is every row's mean before its first draft (``inf``: uncapped until
+    then, the first draft's acceptance then is the mean). Float64: the halving keeps adding bits.
+    """
+
+    def __init__(self, rows: int, initial: float, device):
+        self.mean = torch.full((rows,), float(initial), dtype=torch.float64, device=device)
+
+    def caps(self, rows: Tensor) -> Tensor:
+        """(B,) the most draft tokens each of ``rows`` may draft now (long)."""
+        return (2 * self.mean[rows]).clamp(max=2 ** 30).long() + 1
+
+    def update(self, rows: Tensor, drafted: Tensor, accepted: Tensor):
+        """After a verification: ``drafted`` (B,) draft lengths, ``accepted`` (B,) draft tokens
+        accepted. A row that drafted nothing keeps its mean: no draft says nothing about how
+        well it drafts."""
+        accepted = torch.minimum(accepted, drafted).to(torch.float64)
+        mean = self.mean[rows]
+        new = torch.where(torch.isinf(mean), accepted, 0.5 * (mean + accepted))
+        self.mean[rows] = torch.where(drafted > 0, new, mean)
+
+
+_THREADS_LOCK = threading.Lock()
+
+
+class _BatchState:
+    """One thread's per-batch values of a drafter (see ``Drafter.BATCH_STATE``)."""
+
+
+class Drafter:
+    """Interface of the draft step of the draft-and-verify engine.
+
+    With ``--sampling`` (speculative sampling) a drafter that draws its drafts from a
+    distribution sets ``draft_probs`` in ``propose``: (B, K, V), the distribution each draft
+    token was drawn from. ``None`` (the default) declares the drafts deterministic (one-hot q).
+    """
+
+    sampler = None
+    temperature = 1.0
+
+    # The attributes a drafter sets per batch (in ``start``, ``propose``, ``observe``), with
+    # their values before any is set. They live in an object of the calling thread, so threads
+    # that share one generator, and so its drafter, each decode their own batch.
+    BATCH_STATE = {"draft_probs": None}
+
+    def _batch_state(self):
+        local = self.__dict__.get("_threads")
+        if local is None:
+            with _THREADS_LOCK:
+                local = self.__dict__.setdefault("_threads", threading.local())
+        state = getattr(local, "state", None)
+        if state is None:
+            state = local.state = _BatchState()
+        return state
+
+    def __getattr__(self, name):  # only for names that plain lookup does not find
+        defaults = type(self).BATCH_STATE
+        if name in defaults:
+            return getattr(self._batch_state(), name, defaults[name])
+        raise AttributeError("%r object has no attribute %r" % (type(self).__name__, name))
+
+    def __setattr__(self, name, value):
+        if name in type(self).BATCH_STATE:
+            setattr(self._batch_state(), name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def set_sampler(self, sampler, temperature: float = 1.0):
+        """Called once by a sampling engine: draw drafts with ``sampler`` (its filter and its
+        seeded generator) at the verifier's temperature."""
+        self.sampler, self.temperature = sampler, temperature
+
+    def _draw(self, logits: Tensor):
+        """(..., V) logits -> drawn tokens (...) and the filtered distribution (..., V)."""
+        lprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        probs = self.sampler.filter.probs(lprobs)
+        flat = probs.reshape(-1, probs.size(-1))
+        tokens = self.sampler.sample(flat).view(probs.shape[:-1])
+        return tokens, probs
+
+    def start(self, sample, encoder_out, bos: int):
+        """Called once per batch, before the first iteration."""
+
+    def propose(self, rows: Tensor, tokens: Tensor, n_out: Tensor, max_len: Tensor):
+        """Draft tokens for the active rows.
+
+        Args:
+            rows: (B,) indices of the active rows in the batch given to ``start``.
+            tokens: (B, T) decoder inputs so far: BOS then the accepted tokens.
+            n_out: (B,) number of accepted tokens per row.
+            max_len: (B,) the most draft tokens each row may use.
+        Returns:
+            (B, K) drafts padded with ``pad`` and (B,) their lengths.
+        """
+        raise NotImplementedError
+
+    def observe(self, rows: Tensor, features: Tensor, last: Tensor, tokens: Tensor = None):
+        """Called after each verification with the verifier's (B, d) features after each row's
+        last kept token, per row that token's block position (= draft tokens accepted), and
+        (B,) the verifier's token chosen from those features (the row's newest token). Most
+        drafters ignore the features and tokens."""
+
+
+class NoDrafter(Drafter):
+    """Drafts nothing: every iteration is one greedy step of the lean engine (``lean_greedy``)."""
+
+    def propose(self, rows, tokens, n_out, max_len):
+        empty = tokens.new_zeros(rows.numel(), 0)
+        return empty, tokens.new_zeros(rows.numel())

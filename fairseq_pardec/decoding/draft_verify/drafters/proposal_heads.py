@@ -1,0 +1,118 @@
+"""Blockwise parallel decoding's drafter: the model's own proposal heads."""
+
+import torch
+
+from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter
+from fairseq_pardec.decoding.step.output_projection import (
+    ShortlistProjection,
+    base_projection,
+    draft_projection,
+)
+from fairseq_pardec.errors import UsageError
+
+
+class HeadsDrafter(Drafter):
+    """Blockwise parallel decoding: the proposal heads p_2..p_k, read at the last kept position
+    of the previous verification (merged invocation, § 4), are the next draft.
+
+    The first iteration has no proposals yet: it verifies nothing and takes p_1's token (and
+    the heads' first proposals) from the same call.
+
+    ``adaptive``: each row drafts at most twice its recent mean of accepted draft tokens, plus
+    one (as iad's and GAD's drafters), so a row whose proposals keep being rejected verifies
+    short blocks; heads no row will use are not computed.
+    """
+
+    BATCH_STATE = dict(Drafter.BATCH_STATE, next_draft=None, next_len=None, next_probs=None,
+                       caps=None, drafted=None)
+
+    def __init__(self, decoder, pad: int, block_size: int, adaptive: bool = False,
+                 dictionary=None, draft_vocab=None):
+        self.decoder, self.pad = decoder, pad
+        self.width = block_size - 1  # heads 2..block_size
+        self.adaptive = adaptive
+        # the heads share the base's vocabulary projection (p_1's own output layer may differ)
+        self.project = draft_projection(base_projection(decoder), dictionary, draft_vocab)
+
+    def start(self, sample, encoder_out, bos: int):
+        src = sample["net_input"]["src_tokens"]
+        self.next_draft = src.new_full((src.size(0), max(self.width, 0)), self.pad)
+        self.next_len = src.new_zeros(src.size(0))
+        self.next_probs = None
+        self.caps = AdaptiveCaps(src.size(0), self.width, src.device)
+        self.drafted = None
+
+    def propose(self, rows, tokens, n_out, max_len):
+        lengths = torch.minimum(self.next_len[rows], max_len)
+        width = int(lengths.max()) if lengths.numel() else 0
+        draft = self.next_draft[rows, :width]
+        cols = torch.arange(width, device=draft.device)
+        draft = draft.masked_fill(cols.unsqueeze(0) >= lengths.unsqueeze(1), self.pad)
+        if self.sampler is not None:
+            if self.next_probs is None:  # nothing proposed yet: an empty draft
+                self.draft_probs = None
+            else:
+                self.draft_probs = self.next_probs[rows, :width]
+        self.drafted = lengths
+        return draft, lengths
+
+    def _width(self, rows):
+        """How many heads to run (n) and each row's cap (None: not adaptive)."""
+        n, caps = self.width, None
+        if self.adaptive and self.sampler is None:
+            caps = self.caps.caps(rows)
+            n = max(1, min(self.width, int(caps.max())))
+        return n, caps
+
+    def _project(self, hidden):
+        """(..., d) head outputs -> (..., V) logits, padding never proposed."""
+        if self.project is None:
+            logits = self.decoder.base_logits(hidden)
+        else:
+            flat = self.project(hidden.reshape(-1, hidden.size(-1)))
+            logits = flat.view(hidden.shape[:-1] + (-1,))
+        logits[..., self.pad] = float("-inf")
+        return logits
+
+    def _choose(self, logits):
+        """Proposals from (..., V) logits: the best tokens, or drawn ones with the
+        distributions drawn from (speculative sampling)."""
+        if self.sampler is None:
+            return logits.argmax(dim=-1), None
+        return self._draw(logits)
+
+    def _recurrent(self, features, tokens, n):
+        """Recurrent heads: each proposal from the state and token of the one before it,
+        starting at the verifier's features and its token. (B, n) proposals, (B, n, V) or
+        None."""
+        if tokens is None:
+            raise UsageError("recurrent proposal heads need the verifier's newest tokens")
+        state, token, chosen, dists = features, tokens, [], []
+        shortlist = self.sampler is None and isinstance(self.project, ShortlistProjection)
+        for _ in range(n):
+            state = self.decoder.proposal_step(state, token)
+            if shortlist:  # padding is never shortlisted
+                token, probs = self.project.best(state), None
+            else:
+                token, probs = self._choose(self._project(state))
+            chosen.append(token)
+            dists.append(probs)
+        return torch.stack(chosen, 1), None if self.sampler is None else torch.stack(dists, 1)
+
+    def observe(self, rows, features, last, tokens=None):
+        if self.width <= 0:
+            return
+        if self.adaptive and self.drafted is not None:
+            self.caps.update(rows, self.drafted, last)
+        self.drafted = None
+        n, caps = self._width(rows)
+        if self.decoder.proposals_read_tokens:
+            drafted, probs = self._recurrent(features, tokens, n)
+        else:
+            drafted, probs = self._choose(self._project(self.decoder.proposal_features(features, n)))
+        self.next_draft[rows, :n] = drafted
+        if probs is not None:  # speculative sampling: keep the distributions drawn from
+            if self.next_probs is None:
+                self.next_probs = probs.new_zeros((self.next_draft.size(0),) + probs.shape[1:])
+            self.next_probs[rows] = probs
+        self.next_len[rows] = n if caps is None else caps.clamp(max=n)

@@ -1,0 +1,177 @@
+"""Input-guided aggressive decoding's drafter (IAD): copy drafts from the source."""
+
+import logging
+from typing import List
+
+import torch
+from torch import Tensor
+
+from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter, pad_drafts
+
+logger = logging.getLogger(__name__)
+
+
+class SourceVocabularyMap:
+    """Maps source token ids to target ids by their string (for separate dictionaries).
+
+    Tokens with no target counterpart map to -1: copy drafts leave them out.
+    """
+
+    def __init__(self, src_dict, tgt_dict):
+        self.identity = src_dict is tgt_dict or src_dict.symbols == tgt_dict.symbols
+        if self.identity:
+            self.table = None
+            return
+        table = torch.full((len(src_dict),), -1, dtype=torch.long)
+        for idx, symbol in enumerate(src_dict.symbols):
+            tgt = tgt_dict.index(symbol)
+            if tgt != tgt_dict.unk() or symbol == tgt_dict.unk_word:
+                table[idx] = tgt
+        for special in ("bos", "pad", "eos", "unk"):
+            table[getattr(src_dict, special)()] = getattr(tgt_dict, special)()
+        self.table = table
+        mapped = int((table >= 0).sum())
+        logger.info(
+            "copy drafter: source and target dictionaries differ; %d of %d source types map to "
+            "target types by string", mapped, len(src_dict)
+        )
+
+    def __call__(self, src_ids: Tensor) -> Tensor:
+        if self.identity:
+            return src_ids
+        return self.table.to(src_ids.device)[src_ids]
+
+
+class CopyDrafter(Drafter):
+    """Input-guided aggressive decoding (IAD): draft by copying the source.
+
+    Matching rule (Algorithm 1 of Sun et al. 2021, made a little more aggressive): take the
+    shortest suffix of the output (BOS included) that occurs exactly once in [BOS] + source, and
+    draft the source tokens that follow that occurrence. When every suffix is ambiguous (a
+    repeated token such as a comma), the paper falls back to one greedy step; we instead pick the
+    occurrence nearest to where the previous match predicts it (previous match position plus the
+    tokens output since then: GEC output follows the source left to right). A suffix whose last token does not occur in the source gives no draft
+    (one plain greedy step). Any draft is safe: exact verification keeps the output identical to
+    greedy decoding; the rule only changes how many tokens are accepted.
+    """
+
+    # Ceiling of the adaptive caps on the CPU (--block-size not given). There a verified position
+    # costs compute once the batch is compute-bound, so the ceiling shrinks with the number of
+    # active rows: CPU_POSITIONS block positions per iteration shared by the rows, each row's
+    # ceiling within [CPU_MIN_CEILING, CPU_MAX_CEILING] (16 for 1-4 rows, 8 for 8, 6 from 11);
+    # chosen by measurement (docs/results.md, "iad draft-cap sweep").
+    CPU_POSITIONS = 64
+    CPU_MIN_CEILING = 6
+    CPU_MAX_CEILING = 16
+    # On a GPU a longer block costs about as much as one token, so rows may draft what remains
+    # of their source, within a budget of block positions per iteration: the verifier holds a
+    # (positions, vocabulary) tensor of log-probabilities, which for 64 rows x 200 source
+    # positions x a 32k vocabulary would take gigabytes. GPU_POSITIONS are shared by the active rows, each row's
+    # ceiling at least GPU_MIN_CEILING (32 for 64 rows; 2048 for one row).
+    GPU_POSITIONS = 2048
+    GPU_MIN_CEILING = 16
+
+    BATCH_STATE = dict(Drafter.BATCH_STATE, on_cpu=True, sources=None, positions=None,
+                       last_match=None, outputs=None, caps=None, _drafted=None)
+
+    def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False):
+        self.vocab_map = SourceVocabularyMap(src_dict, tgt_dict)
+        self.src_pad = src_dict.pad()
+        self.pad = tgt_dict.pad()
+        self.block_size = block_size
+        # per-row caps from each row's recent acceptance (AdaptiveCaps)
+        self.adaptive = adaptive
+
+    def start(self, sample, encoder_out, bos: int):
+        src = sample["net_input"]["src_tokens"]
+        self.on_cpu = src.device.type == "cpu"
+        mapped = self.vocab_map(src).tolist()
+        self.sources, self.positions, self.last_match = [], [], []
+        for row, ids in zip(src.tolist(), mapped):
+            # a source token the target dictionary lacks cannot be drafted: it is left out,
+            # and copying goes on with the tokens after it
+            source = [bos] + [t for s, t in zip(row, ids) if s != self.src_pad and t != -1]
+            where = {}
+            for i, token in enumerate(source):
+                where.setdefault(token, []).append(i)
+            self.sources.append(source)
+            self.positions.append(where)
+            self.last_match.append((0, 0))  # (source index, output length) of the last match
+        # BOS + the accepted tokens seen so far, per row: accepted tokens never change, so each
+        # iteration reads only the new ones from the engine's buffer
+        self.outputs = [[bos] for _ in self.sources]
+        self.caps = AdaptiveCaps(len(self.sources), float("inf"), src.device)
+        self._drafted = None
+
+
+    def _match(self, row: int, output: List[int]):
+        """Index in the source of the match of the output's last token, or None."""
+        source = self.sources[row]
+        candidates = self.positions[row].get(output[-1])
+        if not candidates:
+            return None
+        q = 0
+        while len(candidates) > 1 and q + 1 < len(output):
+            q += 1
+            longer = [i for i in candidates if i >= q and source[i - q] == output[-1 - q]]
+            if not longer:
+                break
+            candidates = longer
+        if len(candidates) > 1:
+            at, n_then = self.last_match[row]
+            expected = at + len(output) - 1 - n_then
+            return min(candidates, key=lambda i: (abs(i - expected), i))
+        return candidates[0]
+
+    def _ceiling(self, active_rows: int):
+        """The cap every row drafts under this iteration."""
+        if self.block_size is not None:
+            return self.block_size
+        if not self.on_cpu:
+            return max(self.GPU_MIN_CEILING, self.GPU_POSITIONS // max(1, active_rows))
+        share = self.CPU_POSITIONS // max(1, active_rows)
+        return max(self.CPU_MIN_CEILING, min(self.CPU_MAX_CEILING, share))
+
+    def _row_caps(self, rows: Tensor, max_len: Tensor, ceiling) -> List[int]:
+        """Most draft tokens per row now: its room, the ceiling, and (adaptive) its own cap."""
+        caps = max_len if ceiling is None else max_len.clamp(max=ceiling)
+        if self.adaptive:
+            caps = torch.minimum(caps, self.caps.caps(rows))
+        return caps.tolist()
+
+    def _read_new_tokens(self, row_ids: List[int], tokens: Tensor, n_out: List[int]):
+        """Append each row's tokens accepted since the last call (one small gather)."""
+        known = [len(self.outputs[row]) for row in row_ids]
+        new = [n + 1 - k for n, k in zip(n_out, known)]
+        width = max(new, default=0)
+        if width <= 0:
+            return
+        cols = torch.tensor(known, device=tokens.device).unsqueeze(1) + torch.arange(
+            width, device=tokens.device)
+        fresh = tokens.gather(1, cols.clamp(max=tokens.size(1) - 1)).tolist()
+        for row, count, values in zip(row_ids, new, fresh):
+            if count > 0:
+                self.outputs[row].extend(values[:count])
+
+    def propose(self, rows, tokens, n_out, max_len):
+        drafts = []
+        row_ids, lengths = rows.tolist(), n_out.tolist()
+        self._read_new_tokens(row_ids, tokens, lengths)
+        ceiling = self._ceiling(len(row_ids))
+        for row, n, limit in zip(row_ids, lengths, self._row_caps(rows, max_len, ceiling)):
+            output = self.outputs[row]
+            at = self._match(row, output) if limit > 0 else None
+            if at is None:
+                drafts.append([])
+                continue
+            self.last_match[row] = (at, n)
+            drafts.append(self.sources[row][at + 1 : at + 1 + limit])
+        draft, drafted = pad_drafts(drafts, self.pad, tokens.device)
+        self._drafted = (rows, drafted)  # observe's rows are these (tests pass none)
+        return draft, drafted
+
+    def observe(self, rows, features, last, tokens=None):
+        if self.adaptive and self._drafted is not None:
+            drafted_rows, drafted = self._drafted
+            self.caps.update(drafted_rows, drafted, last.to(drafted.device))
+        self._drafted = None

@@ -1,0 +1,55 @@
+"""What a fairseq Transformer decoder reads besides its own states: its input embeddings at
+explicit positions, and the encoder's output.
+
+fairseq's decoder derives each token's position from its index (or, incrementally, from the
+length of its cache). A block-causal drafter and the draft-and-verify engine feed tokens whose
+positions are not their index (mask slots, ragged blocks, rows at different lengths), so they
+give the positions explicitly; everything else is fairseq's own computation, in its order.
+"""
+
+from typing import Optional, Tuple
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq.modules import LearnedPositionalEmbedding
+
+
+def position_embeddings(decoder, positions: Tensor) -> Optional[Tensor]:
+    """Rows of the decoder's own position table for explicit (already offset) positions."""
+    module = decoder.embed_positions
+    if module is None:
+        return None
+    if isinstance(module, LearnedPositionalEmbedding):
+        return F.embedding(positions, module.weight, module.padding_idx)
+    needed = int(positions.max()) + 1
+    if needed > module.weights.size(0):
+        # Let fairseq grow its sinusoid table exactly as it would itself.
+        module(positions.new_zeros(1, needed - module.padding_idx - 1))
+    return module.weights.index_select(0, positions.reshape(-1)).view(
+        positions.size() + (-1,)
+    ).detach()
+
+
+def embed_at(decoder, tokens: Tensor, positions: Tensor) -> Tensor:
+    """Same operations, in the same order, as ``extract_features_scriptable``'s embedding."""
+    x = decoder.embed_scale * decoder.embed_tokens(tokens.contiguous())
+    if decoder.quant_noise is not None:
+        x = decoder.quant_noise(x)
+    if decoder.project_in_dim is not None:
+        x = decoder.project_in_dim(x)
+    pos = position_embeddings(decoder, positions)
+    if pos is not None:
+        x += pos
+    if decoder.layernorm_embedding is not None:
+        x = decoder.layernorm_embedding(x)
+    return decoder.dropout_module(x)
+
+
+def encoder_states(encoder_out) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """(encoder states (S, B, C), padding mask (B, S)) of fairseq's encoder output dictionary;
+    None for what it lacks (a decoder-only model, no padding)."""
+    if not encoder_out:
+        return None, None
+    states, pad = encoder_out["encoder_out"], encoder_out["encoder_padding_mask"]
+    return (states[0] if len(states) else None), (pad[0] if len(pad) else None)
