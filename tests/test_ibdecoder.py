@@ -185,7 +185,7 @@ def test_max_positions_is_the_interleaved_limit(h, c):
     assert longest <= 14
     words = longest - 1
     assert ordering.num_steps(words, h, c) * h * c <= 14 < ordering.num_steps(words + 1, h, c) * h * c
-    eos, pad = d.eos(), d.pad()
+    eos = d.eos()
     fits = torch.cat([torch.full((1, words), 5), torch.tensor([[eos]])], 1)
     assert model.interleave_targets(fits).size(1) <= 14
     too_long = torch.cat([torch.full((1, words + 1), 5), torch.tensor([[eos]])], 1)

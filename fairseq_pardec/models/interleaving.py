@@ -24,6 +24,7 @@ import math
 from functools import lru_cache
 from typing import List, Sequence, Tuple
 
+import numpy as np
 import torch
 from fairseq_pardec.errors import UsageError
 
@@ -55,13 +56,9 @@ def check_directions(h: int, c: int):
 
 def _segments(n: int, n_segments: int) -> List[Tuple[int, int]]:
     """(start, length) of n_segments near-equal segments of n words (earlier ones larger)."""
-    base, extra = divmod(n, n_segments)
-    out, start = [], 0
-    for i in range(n_segments):
-        length = base + (1 if i < extra else 0)
-        out.append((start, length))
-        start += length
-    return out
+    lengths = [len(part) for part in np.array_split(np.arange(n), n_segments)]
+    starts = np.cumsum([0] + lengths[:-1])
+    return [(int(start), length) for start, length in zip(starts, lengths)]
 
 
 @lru_cache(maxsize=None)

@@ -20,7 +20,6 @@ from ``--max-len-a/b`` and the padded source length of the batch), so with
 
 import logging
 import math
-import time
 from typing import Optional
 
 import torch
@@ -38,7 +37,7 @@ from fairseq_pardec.decoding.draft_verify.drafters import pad_drafts
 from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
 from fairseq_pardec.decoding.step.lean import block_decoder_for
-from fairseq_pardec.decoding.decode_stats import DecodeStats, StatsGenerator
+from fairseq_pardec.decoding.decode_stats import DecodeStats, PartTimer, StatsGenerator
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +148,18 @@ class DraftVerifyGenerator(StatsGenerator):
 
     # ------------------------------------------------------------------ main loop
     def _generate(self, sample, prefix_tokens=None, bos_token=None, **unused):
-        model, blocks = self.model, self.block_decoder
-        model.decoder.set_beam_size(1)  # undo a beam generator built earlier on this model
+        batch = self._start(sample, prefix_tokens, bos_token)
+        while batch.rows.numel() > 0:
+            block = self._draft(batch)
+            features, lprobs, forced = self._verify(batch, block)
+            n_acc, verifier, before = self._accept(batch, block, lprobs, forced, sample, bos_token)
+            done = self._commit(batch, block, features, lprobs, n_acc, verifier, before)
+            self._retire(batch, done)
+        return batch.finalized
+
+    def _start(self, sample, prefix_tokens, bos_token) -> "_Batch":
+        """Encode the batch, start the drafter, and set up the state of every row."""
+        self.model.decoder.set_beam_size(1)  # undo a beam generator built earlier on this model
         net_input = sample["net_input"]
         src_tokens = net_input["src_tokens"]
         bsz, src_len = src_tokens.size()[:2]
@@ -161,147 +170,126 @@ class DraftVerifyGenerator(StatsGenerator):
                              "at most the model's %d) is below --min-len %d; raise --max-len-b"
                              % (self.max_len_a, src_len, self.max_len_b, self.max_len - 1,
                                 self.min_len))
-
-        encoder_out = model.encoder.forward_torchscript(net_input)
+        encoder_out = self.model.encoder.forward_torchscript(net_input)
         bos = self.eos if bos_token is None else bos_token
-        # the drafter's share of the time (benchmark): CPU only, where timing needs no sync
-        clock = time.perf_counter if device.type == "cpu" else None
-        t0 = clock() if clock else 0.0
-        self.drafter.start(sample, encoder_out, bos)
-        if clock:
-            self.stats.drafter_time += clock() - t0
-        relaxed = self.acceptance.reads_log_probs
+        batch = _Batch(self, bsz, max_len, bos, encoder_out, prefix_tokens, device)
+        with batch.drafter_timer:
+            self.drafter.start(sample, encoder_out, bos)
+        return batch
 
-        tokens = torch.full((bsz, max_len + 2), self.pad, dtype=torch.long, device=device)
-        tokens[:, 0] = bos
-        cum_scores = torch.zeros(bsz, max_len + 1, device=device)
-        n_out = torch.zeros(bsz, dtype=torch.long, device=device)
-        rows = torch.arange(bsz, device=device)  # active row -> row of the batch
-        prefix = prefix_tokens
-        finalized = [[] for _ in range(bsz)]
-        state = blocks.new_state()
-        backoff = DraftBackoff(bsz, device) if self.backoff else None
-        iteration = 0  # every active row has gained >= 1 token per iteration: n_out >= iteration
+    def _draft(self, batch: "_Batch") -> "_Block":
+        """1. Up to the room left before EOS is forced, the drafter's tokens for every row
+        (a row inside its --prefix-size prefix drafts the prefix)."""
+        room = batch.max_len - batch.n_out
+        draft_room = room if batch.backoff is None else batch.backoff.room(room)
+        with batch.drafter_timer:
+            draft, drafted = self.drafter.propose(batch.rows, batch.tokens, batch.n_out, draft_room)
+        q = self.drafter.draft_probs if self.sampler is not None else None
+        draft, draft_len, q = self._force_prefix_draft(draft, drafted, batch.n_out, batch.prefix,
+                                                       room, q)
+        return _Block(batch, draft, draft_len, drafted, q, self.pad)
 
-        while rows.numel() > 0:
-            b = rows.numel()
-            ar = torch.arange(b, device=device)
-            # 1. draft (never past the step where EOS is forced)
-            room = max_len - n_out
-            t0 = clock() if clock else 0.0
-            draft_room = room if backoff is None else backoff.room(room)
-            draft, draft_len = self.drafter.propose(rows, tokens, n_out, draft_room)
-            drafted = draft_len
-            if clock:
-                self.stats.drafter_time += clock() - t0
-            q = self.drafter.draft_probs if self.sampler is not None else None
-            draft, draft_len, q = self._force_prefix_draft(draft, draft_len, n_out, prefix, room, q)
-            k = draft.size(1)
-            block = torch.cat([tokens[ar, n_out].unsqueeze(1), draft], dim=1)
-            cols = torch.arange(k + 1, device=device)
-            block_pad = cols.unsqueeze(0) > draft_len.unsqueeze(1)
-            layout = BlockLayout(block_pad)
-            draft_valid = ~block_pad[:, 1:]
+    def _verify(self, batch: "_Batch", block: "_Block"):
+        """2. One decoder call over every row's [last accepted token, draft]; the position-wise
+        work runs on the block's real positions only. Returns the features, the (N, V) packed
+        log-probabilities after fairseq's per-step edits, and the forced tokens (or None)."""
+        with batch.verifier_timer:
+            features = self.block_decoder.forward_packed(block.tokens, batch.n_out, block.layout,
+                                                         batch.encoder_out, batch.cache)
+            lprobs = self.block_decoder.log_probs(features, self.temperature)
+        self.stats.decoder_calls += 1
+        self.stats.row_iterations += block.rows
+        self.stats.positions_verified += lprobs.size(0)
+        steps = batch.n_out.unsqueeze(1) + block.cols
+        forced = self._adjust(lprobs, steps, block.layout, batch.max_len, batch.prefix,
+                              bar_eos_possible=batch.iteration < self.min_len)
+        batch.iteration += 1
+        return features, lprobs, forced
 
-            # 2. verify: the position-wise work runs on the block's real positions only
-            t0 = clock() if clock else 0.0
-            features = blocks.forward_packed(block, n_out, layout, encoder_out, state)
-            lprobs = blocks.log_probs(features, self.temperature)  # (N, V)
-            if clock:
-                self.stats.verifier_time += clock() - t0
-            self.stats.decoder_calls += 1
-            self.stats.row_iterations += b
-            self.stats.positions_verified += lprobs.size(0)
-            steps = n_out.unsqueeze(1) + cols
-            forced = self._adjust(lprobs, steps, layout, max_len, prefix,
-                                  bar_eos_possible=iteration < self.min_len)
-            iteration += 1
-            # cumulative score before each block position, were the draft accepted up to it
-            prev = torch.where(
-                n_out > 0, cum_scores[ar, (n_out - 1).clamp(min=0)], cum_scores.new_zeros(b)
+    def _accept(self, batch: "_Batch", block: "_Block", lprobs, forced, sample, bos_token):
+        """3. How many draft tokens each row keeps, and the token after them.
+
+        Returns the accepted draft lengths (B,), a (B, L) grid whose position ``n_acc`` holds the
+        row's next token (the verifier's own, or speculative sampling's draw), and the cumulative
+        score before each block position were the draft accepted up to it (B, L).
+        """
+        b, k, ar = block.rows, block.width, block.ar
+        n_out, cum_scores, layout = batch.n_out, batch.cum_scores, block.layout
+        prev = torch.where(
+            n_out > 0, cum_scores[ar, (n_out - 1).clamp(min=0)], cum_scores.new_zeros(b)
+        )
+        draft_lp = lprobs[block.draft_pos, block.draft].masked_fill(~block.draft_valid, 0.0)
+        before = running_scores(prev, draft_lp).to(n_out.device)
+        if self.sampler is not None:
+            n_acc, verifier = self._speculate(lprobs, forced, block)
+        else:
+            packed_before = layout.pack(before)
+            verifier, top = beam_one_choice(lprobs, packed_before)
+            close = close_calls(top, packed_before, self.margin) if self._guarded() else None
+            if forced is not None:
+                verifier = torch.where(forced >= 0, forced, verifier)
+                if close is not None:
+                    close &= forced < 0
+            verifier = verifier[layout.pos.clamp(min=0)]  # (B, L); garbage at padding
+            n_acc = self.acceptance.accept(
+                block.draft, block.draft_valid,
+                lprobs if self.acceptance.reads_log_probs else None, verifier[:, :k],
+                positions=block.draft_pos,
             )
-            draft_pos = layout.pos[:, :k].clamp(min=0)
-            draft_lp = lprobs[draft_pos, draft].masked_fill(~draft_valid, 0.0)
-            before = running_scores(prev, draft_lp).to(device)
-            padded_draft = torch.cat([draft, draft.new_full((b, 1), self.pad)], dim=1)
-            if self.sampler is None:
-                packed_before = layout.pack(before)
-                verifier, top = beam_one_choice(lprobs, packed_before)
-                close = None
-                if self._guarded():
-                    close = close_calls(top, packed_before, self.margin)
-                if forced is not None:
-                    verifier = torch.where(forced >= 0, forced, verifier)
-                    if close is not None:
-                        close &= forced < 0
-                verifier = verifier[layout.pos.clamp(min=0)]  # (B, L); garbage at padding
-                # 3. accept
-                n_acc = self.acceptance.accept(
-                    draft, draft_valid, lprobs if relaxed else None, verifier[:, :k],
-                    positions=draft_pos,
-                )
-                if close is not None and bool(close.any()):
-                    self._decide_close_calls(close[layout.pos.clamp(min=0)] & ~block_pad, n_acc,
-                                             verifier, padded_draft, tokens, n_out, rows, sample,
-                                             bos_token)
-            else:
-                n_acc, verifier = self._speculate(
-                    lprobs, forced, layout, draft, draft_len, draft_valid, draft_pos, padded_draft, q
-                )
-            if backoff is not None:
-                backoff.update(drafted, n_acc)
-            take_draft = cols.unsqueeze(0) < n_acc.unsqueeze(1)
-            new_tokens = torch.where(take_draft, padded_draft, verifier)
-            gained = n_acc + 1
-            is_eos = new_tokens.eq(self.eos) & (cols.unsqueeze(0) < gained.unsqueeze(1))
-            first_eos = torch.where(is_eos, cols.unsqueeze(0), k + 1).min(dim=1).values
-            gained = torch.minimum(gained, first_eos + 1)
-            keep = cols.unsqueeze(0) < gained.unsqueeze(1)
+            if close is not None and bool(close.any()):
+                self._decide_close_calls(close[layout.pos.clamp(min=0)] & ~block.pad, n_acc,
+                                         verifier, block.padded_draft, batch, sample, bos_token)
+        if batch.backoff is not None:
+            batch.backoff.update(block.drafted, n_acc)
+        return n_acc, verifier, before
 
-            # after the accepted draft tokens, the verifier's own token at position n_acc
-            cum = torch.cat([before[:, 1:], before.new_zeros(b, 1)], dim=1)
-            own = new_tokens[ar, n_acc]
-            own_lp = lprobs[layout.at(ar, n_acc), own]
-            cum[ar, n_acc] = before[ar, n_acc] + own_lp
-            r_idx = ar.unsqueeze(1).expand(b, k + 1)[keep]
-            c_idx = (n_out.unsqueeze(1) + cols)[keep]
-            tokens[r_idx, c_idx + 1] = new_tokens[keep]
-            cum_scores[r_idx, c_idx] = cum[keep]
-            n_out = n_out + gained
+    def _commit(self, batch: "_Batch", block: "_Block", features, lprobs, n_acc, verifier,
+                before):
+        """4. Append the accepted tokens and the next one (up to the first EOS) with their
+        scores, show them to the drafter, and roll the cache back to the kept positions.
+        Returns the (B,) rows that emitted EOS."""
+        b, k, ar, cols = block.rows, block.width, block.ar, block.cols
+        new_tokens = torch.where(cols.unsqueeze(0) < n_acc.unsqueeze(1), block.padded_draft,
+                                 verifier)
+        gained = n_acc + 1
+        is_eos = new_tokens.eq(self.eos) & (cols.unsqueeze(0) < gained.unsqueeze(1))
+        first_eos = torch.where(is_eos, cols.unsqueeze(0), k + 1).min(dim=1).values
+        gained = torch.minimum(gained, first_eos + 1)
+        keep = cols.unsqueeze(0) < gained.unsqueeze(1)
 
-            # the drafter may read the verifier's state after the last kept position
-            # (blockwise decoding's proposal heads: merged invocation)
-            t0 = clock() if clock else 0.0
-            self.drafter.observe(rows, features[layout.at(ar, gained - 1)], gained - 1,
-                                 new_tokens[ar, gained - 1])
-            if clock:
-                self.stats.drafter_time += clock() - t0
+        # after the accepted draft tokens, the verifier's own token at position n_acc
+        cum = torch.cat([before[:, 1:], before.new_zeros(b, 1)], dim=1)
+        own = new_tokens[ar, n_acc]
+        cum[ar, n_acc] = before[ar, n_acc] + lprobs[block.layout.at(ar, n_acc), own]
+        r_idx = ar.unsqueeze(1).expand(b, k + 1)[keep]
+        c_idx = (batch.n_out.unsqueeze(1) + cols)[keep]
+        batch.tokens[r_idx, c_idx + 1] = new_tokens[keep]
+        batch.cum_scores[r_idx, c_idx] = cum[keep]
+        batch.n_out = batch.n_out + gained
 
-            # 4. roll back the cache to the kept block positions, retire finished rows
-            blocks.rollback(state, k + 1, gained)
-            done = first_eos < k + 1
-            if bool(done.any()):
-                for r in done.nonzero().view(-1).tolist():
-                    finalized[rows[r]] = [self._hypothesis(tokens[r], cum_scores[r], int(n_out[r]))]
-                alive = (~done).nonzero().view(-1)
-                rows, tokens, cum_scores, n_out = rows[alive], tokens[alive], cum_scores[alive], n_out[alive]
-                if prefix is not None:
-                    prefix = prefix[alive]
-                if backoff is not None:
-                    backoff.keep(alive)
-                if alive.numel() > 0:
-                    blocks.reorder(state, alive)
-                    encoder_out = model.encoder.reorder_encoder_out(encoder_out, alive)
-            blocks.compact(state, self.compact_holes)
-        return finalized
+        # the drafter may read the verifier's state after the last kept position
+        # (blockwise decoding's proposal heads: merged invocation)
+        with batch.drafter_timer:
+            self.drafter.observe(batch.rows, features[block.layout.at(ar, gained - 1)],
+                                 gained - 1, new_tokens[ar, gained - 1])
+        self.block_decoder.rollback(batch.cache, k + 1, gained)
+        return first_eos < k + 1
+
+    def _retire(self, batch: "_Batch", done):
+        """5. Finalize the rows that emitted EOS and drop them from the batch."""
+        if bool(done.any()):
+            for r in done.nonzero().view(-1).tolist():
+                batch.finalized[batch.rows[r]] = [
+                    self._hypothesis(batch.tokens[r], batch.cum_scores[r], int(batch.n_out[r]))]
+            batch.keep((~done).nonzero().view(-1))
+        self.block_decoder.compact(batch.cache, self.compact_holes)
 
     def _guarded(self) -> bool:
         """Whether this generator's choices must equal fairseq's, from a step that rounds
         differently (the fast step, with exact acceptance)."""
         return getattr(self.block_decoder, "fast", False) and self.acceptance.lossless
 
-    def _decide_close_calls(self, close, n_acc, verifier, padded_draft, tokens, n_out, rows,
-                            sample, bos_token):
+    def _decide_close_calls(self, close, n_acc, verifier, padded_draft, batch, sample, bos_token):
         """Rows whose decisions up to their first close call are kept: that position's token is
         fairseq's own decision, and the row's acceptance ends there (in place: n_acc, verifier).
 
@@ -319,13 +307,12 @@ class DraftVerifyGenerator(StatsGenerator):
         src_tokens = sample["net_input"]["src_tokens"]
         for r in close.any(dim=1).nonzero().view(-1).tolist():
             at = int(close[r].nonzero()[0])
-            decided = torch.cat([tokens[r, 1: int(n_out[r]) + 1], padded_draft[r, :at]])
-            verifier[r, at] = fairseq_decision(self, src_tokens[rows[r]], decided, bos_token)
+            decided = torch.cat([batch.tokens[r, 1: int(batch.n_out[r]) + 1], padded_draft[r, :at]])
+            verifier[r, at] = fairseq_decision(self, src_tokens[batch.rows[r]], decided, bos_token)
             n_acc[r] = at
             self.stats.close_calls += 1
 
-    def _speculate(self, lprobs, forced, layout, draft, draft_len, draft_valid, draft_pos,
-                   padded_draft, q):
+    def _speculate(self, lprobs, forced, block: "_Block"):
         """Speculative sampling's accept / residual / bonus for every row of the block.
 
         Returns the accepted draft lengths (B,) and a (B, L) token grid holding, at each row's
@@ -337,10 +324,10 @@ class DraftVerifyGenerator(StatsGenerator):
             if at.numel():
                 probs[at] = 0.0
                 probs[at, forced[at]] = 1.0
-        b = draft.size(0)
-        ar = torch.arange(b, device=draft.device)
-        n_acc = self.sampler.accept(draft, draft_valid, probs[draft_pos, draft], q)
-        rejected = n_acc < draft_len
+        ar, layout, q, padded_draft = block.ar, block.layout, block.q, block.padded_draft
+        n_acc = self.sampler.accept(block.draft, block.draft_valid,
+                                    probs[block.draft_pos, block.draft], q)
+        rejected = n_acc < block.draft_len
         q_next = None
         if q is not None and q.size(1) > 0:
             q_next = q[ar, n_acc.clamp(max=q.size(1) - 1)]
@@ -395,6 +382,66 @@ class DraftVerifyGenerator(StatsGenerator):
             "alignment": torch.empty(0),
             "positional_scores": positional,
         }
+
+
+class _Batch:
+    """The rows of one ``generate`` call still decoding, and everything kept per row: what the
+    steps of an iteration read and write, reordered together when rows finish."""
+
+    def __init__(self, generator: DraftVerifyGenerator, bsz: int, max_len: int, bos: int,
+                 encoder_out, prefix: Optional[Tensor], device):
+        self.generator = generator
+        self.max_len = max_len
+        self.encoder_out = encoder_out
+        self.prefix = prefix  # (B, P) forced prefix tokens, pad = not forced; or None
+        self.rows = torch.arange(bsz, device=device)  # active row -> row of the batch
+        # accepted tokens after BOS, and their cumulative scores
+        self.tokens = torch.full((bsz, max_len + 2), generator.pad, dtype=torch.long,
+                                 device=device)
+        self.tokens[:, 0] = bos
+        self.cum_scores = torch.zeros(bsz, max_len + 1, device=device)
+        self.n_out = torch.zeros(bsz, dtype=torch.long, device=device)
+        self.cache = generator.block_decoder.new_state()
+        self.backoff = DraftBackoff(bsz, device) if generator.backoff else None
+        self.finalized = [[] for _ in range(bsz)]
+        # every active row has gained >= 1 token per iteration: n_out >= iteration
+        self.iteration = 0
+        # the drafter's and the verifier's shares of the time (benchmark)
+        self.drafter_timer = PartTimer(generator.stats, "drafter_time", torch.device(device))
+        self.verifier_timer = PartTimer(generator.stats, "verifier_time", torch.device(device))
+
+    def keep(self, alive: Tensor):
+        """Keep the active rows ``alive`` (indices into the active rows), in that order."""
+        self.rows, self.tokens = self.rows[alive], self.tokens[alive]
+        self.cum_scores, self.n_out = self.cum_scores[alive], self.n_out[alive]
+        if self.prefix is not None:
+            self.prefix = self.prefix[alive]
+        if self.backoff is not None:
+            self.backoff.keep(alive)
+        if alive.numel() > 0:
+            generator = self.generator
+            generator.block_decoder.reorder(self.cache, alive)
+            self.encoder_out = generator.model.encoder.reorder_encoder_out(self.encoder_out, alive)
+
+
+class _Block:
+    """One iteration's block: per row, [last accepted token, draft], padded to one width."""
+
+    def __init__(self, batch: _Batch, draft: Tensor, draft_len: Tensor, drafted: Tensor,
+                 q: Optional[Tensor], pad: int):
+        device = draft.device
+        self.draft, self.draft_len = draft, draft_len  # (B, K), (B,)
+        self.drafted = drafted  # (B,) the drafter's own draft lengths (backoff reads them)
+        self.q = q  # (B, K, V) the drafts' distributions (speculative sampling) or None
+        self.rows, self.width = draft.size(0), draft.size(1)
+        self.ar = torch.arange(self.rows, device=device)
+        self.tokens = torch.cat([batch.tokens[self.ar, batch.n_out].unsqueeze(1), draft], dim=1)
+        self.cols = torch.arange(self.width + 1, device=device)
+        self.pad = self.cols.unsqueeze(0) > draft_len.unsqueeze(1)  # (B, K + 1)
+        self.layout = BlockLayout(self.pad)
+        self.draft_valid = ~self.pad[:, 1:]
+        self.draft_pos = self.layout.pos[:, :self.width].clamp(min=0)  # packed row of each draft
+        self.padded_draft = torch.cat([draft, draft.new_full((self.rows, 1), pad)], dim=1)
 
 
 def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None,

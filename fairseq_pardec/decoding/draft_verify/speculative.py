@@ -21,6 +21,7 @@ All random draws come from one ``torch.Generator`` per generator, seeded from ``
 from typing import Optional
 
 import torch
+from fairseq.search import Sampling
 from torch import Tensor
 from fairseq_pardec.errors import UsageError
 
@@ -37,25 +38,30 @@ class SamplingFilter:
         if self.topp > 1:
             raise UsageError("--sampling-topp must be in (0, 1] (got %g)" % self.topp)
 
+    @property
+    def sampling_topp(self) -> float:
+        # the one attribute fairseq's Sampling._sample_topp reads
+        return self.topp
+
     def probs(self, lprobs: Tensor) -> Tensor:
         """(..., V) log-probabilities -> (..., V) float32 probabilities of fairseq's sampling
         distribution: ``exp`` of the log-probs, outside the top-k / top-p set zeroed, normalised
         (``torch.multinomial`` normalises the same way)."""
-        probs = lprobs.float().exp()
+        shape = lprobs.shape
+        lprobs = lprobs.float().reshape(-1, shape[-1])
+        if lprobs.size(0) == 0:
+            return lprobs.exp().view(shape)
         if self.topp > 0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            inside = sorted_probs.cumsum(dim=-1).lt(self.topp)
-            # one more word, so that the kept mass reaches p (fairseq's _sample_topp)
-            last = inside.long().sum(dim=-1, keepdim=True).clamp(max=probs.size(-1) - 1)
-            inside.scatter_(-1, last, True)
-            keep = torch.zeros_like(inside).scatter_(-1, order, inside)
-            probs = probs.masked_fill(~keep, 0.0)
-        elif self.topk > 0 and self.topk < probs.size(-1):
-            kth = probs.topk(self.topk, dim=-1).indices
-            keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, kth, True)
-            probs = probs.masked_fill(~keep, 0.0)
+            # fairseq's own truncation, on (N, 1, V) as its search holds the beams
+            kept, where = Sampling._sample_topp(self, lprobs.unsqueeze(1).clone())
+            probs = torch.zeros_like(lprobs).scatter_(-1, where.squeeze(1), kept.squeeze(1))
+        elif self.topk > 0 and self.topk < lprobs.size(-1):
+            kept, where = lprobs.topk(self.topk, dim=-1)  # as fairseq's Sampling.step
+            probs = torch.zeros_like(lprobs).scatter_(-1, where, kept.exp())
+        else:
+            probs = lprobs.exp()
         total = probs.sum(dim=-1, keepdim=True)
-        return probs / total.clamp(min=torch.finfo(probs.dtype).tiny)
+        return (probs / total.clamp(min=torch.finfo(probs.dtype).tiny)).view(shape)
 
 
 class SpeculativeSampler:

@@ -9,15 +9,15 @@ from typing import List
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
     """Ragged python drafts -> (B, K) padded tensor and (B,) lengths."""
     lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
-    width = int(lengths.max()) if len(drafts) else 0
-    out = torch.full((len(drafts), width), pad, dtype=torch.long)
-    for row, draft in enumerate(drafts):
-        if draft:
-            out[row, : len(draft)] = torch.tensor(draft, dtype=torch.long)
+    if not drafts:
+        return torch.full((0, 0), pad, dtype=torch.long, device=device), lengths.to(device)
+    out = pad_sequence([torch.tensor(d, dtype=torch.long) for d in drafts], batch_first=True,
+                       padding_value=pad)
     return out.to(device), lengths.to(device)
 
 

@@ -15,7 +15,9 @@ the output stays identical to greedy decoding whatever is drafted.
 import logging
 import os
 import time
-from typing import Dict, List, Optional
+from array import array
+from bisect import bisect_left
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -32,7 +34,9 @@ class NgramTable:
     Contexts are packed exactly into one int64 (``bits`` per token id), so the order is capped at
     what fits: 4 for vocabularies up to 32k types, 3 up to 1M. A sentence starts with ``start``
     (the decoder's BOS, fairseq's EOS) and ends with ``eos``; no context crosses sentences.
-    Ties go to the smaller token id, so the table does not depend on the corpus order.
+    Ties go to the smaller token id, so the table does not depend on the corpus order. Each
+    order is a pair of int64 arrays (sorted contexts, their next tokens), searched by bisection:
+    16 bytes per context.
     """
 
     def __init__(self, sentences: List[List[int]], vocab_size: int, start: int, eos: int,
@@ -41,7 +45,7 @@ class NgramTable:
         self.order = max(1, min(order, 62 // self.bits))
         self.eos = eos
         self.sentences = len(sentences)
-        self.tables: List[Dict[int, int]] = []
+        self.tables: List[Tuple[array, array]] = []
         if not sentences:
             return
         stream = torch.tensor([t for s in sentences for t in [start] + list(s) + [eos]],
@@ -59,8 +63,8 @@ class NgramTable:
             self.tables.append(self._most_frequent(key[valid], stream[valid]))
 
     @staticmethod
-    def _most_frequent(contexts, nexts) -> Dict[int, int]:
-        # sort by (context, next): equal pairs form runs, whose lengths are their counts
+    def _most_frequent(contexts, nexts) -> Tuple[array, array]:
+        # sorted by (context, next), equal pairs are runs: their lengths are the pairs' counts
         order = torch.argsort(nexts, stable=True)
         order = order[torch.argsort(contexts[order], stable=True)]
         contexts, nexts = contexts[order], nexts[order]
@@ -76,7 +80,12 @@ class NgramTable:
         contexts, nexts = contexts[order], nexts[order]
         first = torch.ones_like(contexts, dtype=torch.bool)
         first[1:] = contexts[1:] != contexts[:-1]
-        return dict(zip(contexts[first].tolist(), nexts[first].tolist()))
+        return (array("q", contexts[first].numpy().tobytes()),
+                array("q", nexts[first].numpy().tobytes()))
+
+    def contexts(self) -> int:
+        """How many contexts the table knows, all orders together."""
+        return sum(len(keys) for keys, _ in self.tables)
 
     def next_token(self, context: List[int]) -> Optional[int]:
         """The most frequent next token after the longest known suffix of ``context``."""
@@ -85,9 +94,10 @@ class NgramTable:
             key |= context[-n] << (self.bits * (n - 1))
             keys.append(key)
         for n in range(len(keys), 0, -1):
-            found = self.tables[n - 1].get(keys[n - 1])
-            if found is not None:
-                return found
+            known, nexts = self.tables[n - 1]
+            at = bisect_left(known, keys[n - 1])
+            if at < len(known) and known[at] == keys[n - 1]:
+                return nexts[at]
         return None
 
     def continuation(self, context: List[int], count: int) -> List[int]:
@@ -105,8 +115,8 @@ class NgramTable:
             context = (context + [token])[-self.order:]
         return out
 
-    # The table's memory grows with the corpus (a Python dict per context; docs/results.md,
-    # "Lookup drafting"): past this many tokens the rest of a corpus is not read, so a whole
+    # Building the table sorts int64 copies of the corpus, a few hundred bytes per token at
+    # order 4 while it builds: past this many tokens the rest of a corpus is not read, so a whole
     # training set cannot exhaust memory.
     MAX_TOKENS = 5_000_000
 
@@ -133,7 +143,7 @@ class NgramTable:
         table = cls(sentences, len(dictionary), dictionary.eos(), dictionary.eos(), order)
         logger.info("lookup drafter: n-gram table of %s (%d sentences, %d tokens, order %d, "
                     "%d contexts) built in %.1fs", path, len(sentences), tokens, table.order,
-                    sum(len(t) for t in table.tables), time.time() - began)
+                    table.contexts(), time.time() - began)
         return table
 
     @classmethod
