@@ -201,7 +201,7 @@ def test_block_size_must_be_positive(cli_data, stock_checkpoint):
 @pytest.mark.parametrize("generator,flags,needle", [
     ("iad", ["--drafter-path", "x.pt"], "--drafter-path is an option of --generator gad"),
     ("greedy", ["--block-size", "4"], "--generator greedy does not use it"),
-    ("lean_greedy", ["--gad-beta", "3"], "--gad-beta is an option of --generator gad"),
+    ("lean_greedy", ["--gad-beta", "3"], "--gad-beta is an option of --generator lookup or gad"),
     ("iad", ["--blockwise-topk", "2"], "--blockwise-topk is an option of --generator blockwise"),
     ("iad", ["--draft-corpus", "x.txt"], "--draft-corpus is an option of --generator lookup"),
 ])

@@ -91,7 +91,7 @@ def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_token
         if attr not in spec.task_options and value is not None and value != default:
             users = [s.name for s in SPECS.values() if attr in s.task_options]
             raise UsageError("%s is an option of --generator %s; --generator %s does not use it"
-                             % (flag, " / ".join(users), name))
+                             % (flag, " or ".join(users), name))
     for flag, is_set, refusers in REFUSALS:
         if spec.family in refusers and is_set(args):
             raise UsageError("--generator %s does not support %s; use --generator beam" % (name, flag))
