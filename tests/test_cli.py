@@ -267,6 +267,29 @@ def test_benchmark_true_batch_sizes(cli_data, stock_checkpoint):
     assert [sorted(s["id"].tolist()) for s in samples] == [sorted(subset[i:i + 8]) for i in (0, 8, 16)]
 
 
+def test_demo_verdict_names_the_fastest_lossless_generator(tmp_path):
+    """The demo's last lines: fairseq's generators and CTranslate2 are yardsticks, a generator
+    that changed one output is not lossless, and no lossless generator is said plainly."""
+    import json
+
+    def row(generator, batch, speed, same, **extra):
+        return dict(generator=generator, batch_size=batch, sentences_per_s=speed,
+                    identical_to_greedy=same, speedup_vs_greedy=speed / 10.0,
+                    speedup_vs_ct2=speed / 50.0, mean_accepted_tokens=2.5, **extra)
+
+    rows = [row("greedy", 1, 10.0, 1.0), row("ct2", 1, 50.0, 1.0), row("beam5", 1, 5.0, 0.8),
+            row("iad", 1, 20.0, 1.0), row("lookup", 1, 30.0, 0.99),
+            row("greedy", 32, 40.0, 1.0), row("lookup", 32, 30.0, 0.5)]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": {"sentences": 100}, "rows": rows}))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo_verdict.py"),
+                          str(path)], capture_output=True, text=True, check=True).stdout
+    batch1, batch32 = out.splitlines()
+    assert batch1.startswith("[demo] batch 1 (100 sentences): iad is the fastest lossless")
+    assert "2.00x fairseq greedy, 0.40x CTranslate2" in batch1
+    assert batch32.startswith("[demo] batch 32 (100 sentences): no generator gave fairseq greedy")
+
+
 def test_benchmark_ctranslate2_rows(cli_data, stock_checkpoint, tmp_path):
     """ct2 converts the --path checkpoint once (cached) and decodes the same sentences; float32
     greedy gives fairseq greedy's output."""
