@@ -111,7 +111,7 @@ class DraftVerifyGenerator(StatsGenerator):
 
     # ------------------------------------------------------------------ per-step adjustments
     def _adjust(self, lprobs: Tensor, steps: Tensor, layout: BlockLayout, max_len: int,
-                prefix: Optional[Tensor], bar_eos_possible: bool):
+                prefix: Optional[Tensor], bar_eos_possible: bool, at_max_possible: bool = True):
         """fairseq SequenceGenerator's per-step edits of log-probabilities, for a block.
 
         Args:
@@ -119,12 +119,14 @@ class DraftVerifyGenerator(StatsGenerator):
             steps: (B, L) decoder step of each block position.
             prefix: (B, P) forced prefix tokens (pad = not forced) or None.
             bar_eos_possible: False when every row is past --min-len (skips that edit).
+            at_max_possible: False when no block position reaches ``max_len`` (known on the
+                host: skips that edit and its read of the device).
         Returns the (N,) forced tokens (-1 where nothing is forced), or None if none are.
         """
         token_rules(lprobs, self.pad, self.unk, self.unk_penalty)
         at_max_grid = steps >= max_len
         at_max = None
-        if bool(at_max_grid.any()):
+        if at_max_possible and bool(at_max_grid.any()):
             at_max = layout.pack(at_max_grid)
             eos_lp = lprobs[:, self.eos].clone()
             lprobs.masked_fill_(at_max.unsqueeze(-1), -math.inf)
@@ -201,8 +203,11 @@ class DraftVerifyGenerator(StatsGenerator):
         self.stats.row_iterations += block.rows
         self.stats.positions_verified += lprobs.size(0)
         steps = batch.n_out.unsqueeze(1) + block.cols
+        # the longest row's last block position is the furthest step: no read of the device
+        furthest = batch.longest + block.width
         forced = self._adjust(lprobs, steps, block.layout, batch.max_len, batch.prefix,
-                              bar_eos_possible=batch.iteration < self.min_len)
+                              bar_eos_possible=batch.iteration < self.min_len,
+                              at_max_possible=furthest >= batch.max_len)
         batch.iteration += 1
         return features, lprobs, forced
 
@@ -272,15 +277,20 @@ class DraftVerifyGenerator(StatsGenerator):
         with batch.drafter_timer:
             self.drafter.observe(batch.rows, features[block.layout.at(ar, gained - 1)],
                                  gained - 1, new_tokens[ar, gained - 1])
-        self.block_decoder.rollback(batch.cache, k + 1, gained)
-        return first_eos < k + 1
+        # the iteration's one read of the device: what each row gained and whether it ended
+        gained_host, done = torch.stack([gained, (first_eos < k + 1).long()]).cpu()
+        batch.n_out_host += gained_host
+        batch.longest = int(batch.n_out_host.max())
+        self.block_decoder.rollback(batch.cache, k + 1, gained,
+                                    keep_range=(int(gained_host.min()), int(gained_host.max())))
+        return done.bool()
 
     def _retire(self, batch: "_Batch", done):
-        """5. Finalize the rows that emitted EOS and drop them from the batch."""
+        """5. Finalize the rows that emitted EOS (``done``, on the host) and drop them."""
         if bool(done.any()):
             for r in done.nonzero().view(-1).tolist():
-                batch.finalized[batch.rows[r]] = [
-                    self._hypothesis(batch.tokens[r], batch.cum_scores[r], int(batch.n_out[r]))]
+                batch.finalized[int(batch.rows[r])] = [self._hypothesis(
+                    batch.tokens[r], batch.cum_scores[r], int(batch.n_out_host[r]))]
             batch.keep((~done).nonzero().view(-1))
         self.block_decoder.compact(batch.cache, self.compact_holes)
 
@@ -307,7 +317,7 @@ class DraftVerifyGenerator(StatsGenerator):
         src_tokens = sample["net_input"]["src_tokens"]
         for r in close.any(dim=1).nonzero().view(-1).tolist():
             at = int(close[r].nonzero()[0])
-            decided = torch.cat([batch.tokens[r, 1: int(batch.n_out[r]) + 1], padded_draft[r, :at]])
+            decided = torch.cat([batch.tokens[r, 1: int(batch.n_out_host[r]) + 1], padded_draft[r, :at]])
             verifier[r, at] = fairseq_decision(self, src_tokens[batch.rows[r]], decided, bos_token)
             n_acc[r] = at
             self.stats.close_calls += 1
@@ -401,6 +411,9 @@ class _Batch:
         self.tokens[:, 0] = bos
         self.cum_scores = torch.zeros(bsz, max_len + 1, device=device)
         self.n_out = torch.zeros(bsz, dtype=torch.long, device=device)
+        # the same lengths on the host (updated from the iteration's one read), and their max
+        self.n_out_host = torch.zeros(bsz, dtype=torch.long)
+        self.longest = 0
         self.cache = generator.block_decoder.new_state()
         self.backoff = DraftBackoff(bsz, device) if generator.backoff else None
         self.finalized = [[] for _ in range(bsz)]
@@ -411,7 +424,11 @@ class _Batch:
         self.verifier_timer = PartTimer(generator.stats, "verifier_time", torch.device(device))
 
     def keep(self, alive: Tensor):
-        """Keep the active rows ``alive`` (indices into the active rows), in that order."""
+        """Keep the active rows ``alive`` (indices into the active rows, on the host), in that
+        order."""
+        self.n_out_host = self.n_out_host[alive]
+        self.longest = int(self.n_out_host.max()) if alive.numel() else 0
+        alive = alive.to(self.rows.device)
         self.rows, self.tokens = self.rows[alive], self.tokens[alive]
         self.cum_scores, self.n_out = self.cum_scores[alive], self.n_out[alive]
         if self.prefix is not None:

@@ -15,7 +15,7 @@ entries of the tokens it accepted. We get there without touching fairseq's layer
 Batch shrinking (finished rows leave) reuses fairseq's ``reorder_incremental_state``.
 """
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,17 @@ def check_supported_decoder(decoder):
         raise UnsupportedDecoder(
             "unsupported decoder positional embedding %s" % type(positions).__name__
         )
+
+
+def keep_bounds(keep: Tensor, known: Optional[Tuple[int, int]] = None) -> Tuple[int, int]:
+    """(min, max) of a rollback's ``keep``: ``known`` if given, else one read from the device."""
+    if known is not None:
+        return known
+    if keep.numel() == 0:
+        return 0, 0
+    low, high = torch.aminmax(keep)
+    low, high = torch.stack([low, high]).tolist()
+    return low, high
 
 
 class BlockDecoder:
@@ -173,14 +184,18 @@ class BlockDecoder:
         mask = buf.get("prev_key_padding_mask")
         return None if mask is None else ~mask.bool()
 
-    def rollback(self, incremental_state: IncrementalState, block_len: int, keep: Tensor):
-        """Roll back: of the last ``block_len`` cache entries keep the first ``keep[b]`` per row."""
+    def rollback(self, incremental_state: IncrementalState, block_len: int, keep: Tensor,
+                 keep_range: Optional[Tuple[int, int]] = None):
+        """Roll back: of the last ``block_len`` cache entries keep the first ``keep[b]`` per row.
+
+        ``keep_range``: (min, max) of ``keep`` when the caller has them on the host already (the
+        engine reads them once per iteration); otherwise they are read from ``keep``."""
         total = self.cache_length(incremental_state)
         first = total - block_len
         cols = torch.arange(block_len, device=keep.device)
         drop = cols.unsqueeze(0) >= keep.unsqueeze(1)  # (B, block_len)
         # Columns no row keeps can go at once (always true for batch 1: no holes at all).
-        kept_cols = int(keep.max()) if keep.numel() else 0
+        kept_cols = keep_bounds(keep, keep_range)[1]
         new_total = first + kept_cols
         for attn, buf in self._buffers(incremental_state):
             mask = buf["prev_key_padding_mask"]

@@ -27,13 +27,14 @@ It covers what :func:`~fairseq_pardec.decoding.step.lean.lean_supported` covers,
 on the CPU; elsewhere the engine uses the lean step.
 """
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.step.block_decoder import keep_bounds
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 from fairseq_pardec.models.decoder_inputs import encoder_states
 
@@ -287,12 +288,13 @@ class FastBlockDecoder(LeanBlockDecoder):
                               device=cache.keys[0].device)
         return ~cache.masked[:, : cache.length]
 
-    def rollback(self, cache: FastCache, block_len: int, keep: Tensor):
+    def rollback(self, cache: FastCache, block_len: int, keep: Tensor,
+                 keep_range: Optional[Tuple[int, int]] = None):
         """Of the last ``block_len`` entries keep the first ``keep[b]`` per row: the cache's
         end moves back to the longest kept row; shorter rows' rejected entries become holes."""
         first = cache.length - block_len
-        kept_cols = int(keep.max()) if keep.numel() else 0
-        if bool((keep < kept_cols).any()):
+        fewest, kept_cols = keep_bounds(keep, keep_range)
+        if fewest < kept_cols:
             cols = torch.arange(block_len, device=keep.device)
             drop = cols.unsqueeze(0) >= keep.unsqueeze(1)
             if cache.masked is None:

@@ -27,7 +27,7 @@ zero attention, xformers, subclasses overriding ``forward``) keep the module pat
 """
 
 import logging
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,8 @@ from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.block_decoder import BlockDecoder, check_supported_decoder
+from fairseq_pardec.decoding.step.block_decoder import (BlockDecoder, check_supported_decoder,
+                                                      keep_bounds)
 from fairseq_pardec.decoding.step.output_projection import OutputProjection, plain_output_projection
 from fairseq_pardec.models.decoder_inputs import encoder_states
 
@@ -267,12 +268,13 @@ class LeanBlockDecoder(BlockDecoder):
             return torch.ones(cache.batch, cache.length, dtype=torch.bool, device=cache.keys[0].device)
         return ~cache.masked
 
-    def rollback(self, cache: LeanCache, block_len: int, keep: Tensor):
+    def rollback(self, cache: LeanCache, block_len: int, keep: Tensor,
+                 keep_range: Optional[Tuple[int, int]] = None):
         total = cache.length
         first = total - block_len
-        kept_cols = int(keep.max()) if keep.numel() else 0
+        fewest, kept_cols = keep_bounds(keep, keep_range)
         new_total = first + kept_cols
-        if bool((keep < kept_cols).any()):  # rows keeping fewer entries leave masked holes
+        if fewest < kept_cols:  # rows keeping fewer entries leave masked holes
             cols = torch.arange(block_len, device=keep.device)
             drop = cols.unsqueeze(0) >= keep.unsqueeze(1)
             masked = cache.masked
