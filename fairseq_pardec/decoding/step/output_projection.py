@@ -44,7 +44,7 @@ def plain_output_projection(decoder) -> Optional[torch.nn.Linear]:
 _ONEDNN_OK: Optional[bool] = None
 
 
-def _packs_on_onednn() -> bool:
+def packs_on_onednn() -> bool:
     """True when this torch has oneDNN's packed linear and it computes a product correctly
     (checked once on a small product; a build without it falls back, never fails)."""
     global _ONEDNN_OK
@@ -85,7 +85,7 @@ class OutputProjection:
         if self._key != key:
             rows = self._weight(weight.detach())
             self._packed = (rows.device.type == "cpu" and rows.dtype == torch.float32
-                            and _packs_on_onednn())
+                            and packs_on_onednn())
             if self._packed:
                 self._copy = torch.ops.mkldnn._reorder_linear_weight(rows.contiguous(), None)
             else:
