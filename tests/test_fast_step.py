@@ -9,6 +9,8 @@ from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls
 from fairseq_pardec.decoding.step.fast import DEFAULT_MARGIN, FastBlockDecoder
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, block_decoder_for
+from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
+from fairseq_pardec.decoding.step.products import KernelChoice, Linear
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 from test_lean_decoder import _drive
@@ -28,14 +30,20 @@ def _log_probs(blocks, features):
 
 @pytest.mark.parametrize("overrides", ARCHITECTURES)
 @pytest.mark.parametrize("ragged", [False, True])
-def test_fast_log_probs_within_the_guards_bound(overrides, ragged):
+@pytest.mark.parametrize("onednn", [False, True, None], ids=["addmm", "onednn", "measured"])
+def test_fast_log_probs_within_the_guards_bound(overrides, ragged, onednn):
     """Through blocks, rollback holes, compaction and shrinking batches, the fast step's
-    log-probabilities stay within a tenth of the guard's margin of fairseq's module path."""
+    log-probabilities stay within a tenth of the guard's margin of fairseq's module path, with
+    either kernel for the products and with the one measured faster per row count."""
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=31, **overrides)
     sample = random_batch(d, [4, 9, 1, 15, 6, 3, 22, 2], seed=7)
     fast = block_decoder_for(model.decoder, fast=True)
     assert isinstance(fast, FastBlockDecoder)
+    if onednn is not None:
+        if onednn and not packs_on_onednn():
+            pytest.skip("this torch has no oneDNN packed product")
+        fast.kernels.pin(onednn)
     module = BlockDecoder(model.decoder)
     worst = 0.0
     for x, y in zip(_drive(fast, model, sample, seed=5, ragged=ragged),
@@ -126,3 +134,38 @@ def test_fast_step_only_where_it_computes_fairseqs_function():
     assert type(block_decoder_for(model.decoder)) is LeanBlockDecoder  # not asked for
     model.double()
     assert type(block_decoder_for(model.decoder, fast=True)) is LeanBlockDecoder
+
+
+def test_products_agree_across_kernels_and_the_choice_follows_the_thread_count():
+    """Both kernels compute x W^T + b (ReLU fused or not) within float32 rounding; the kernel
+    choice is measured per row-count regime and again when the thread count changes, never
+    once pinned."""
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    for relu in (False, True):
+        linear = Linear(weight, bias, relu=relu)
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, 16, generator=g)
+            expected = torch.nn.functional.linear(x, weight, bias)
+            if relu:
+                expected = expected.relu()
+            for onednn in (False, True):
+                assert torch.allclose(linear(x, onednn), expected, atol=1e-5)
+    choice = KernelChoice()
+    assert choice.stale()
+    chain = [[Linear(weight, bias), Linear(torch.randn(16, 24, generator=g), None)]]
+    choice.measure(chain, rounds=1, calls=1)
+    assert not choice.stale()
+    assert {choice.onednn_for(rows) for rows in (1, 8, 100)} <= {False, True}
+    if not packs_on_onednn():
+        assert not any(choice.onednn_for(rows) for rows in (1, 8, 100))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert choice.stale()
+        choice.pin(False)
+        assert not choice.stale()
+        choice.measure(chain, rounds=1, calls=1)
+        assert not any(choice.onednn_for(rows) for rows in (1, 8, 100))
+    finally:
+        torch.set_num_threads(threads)

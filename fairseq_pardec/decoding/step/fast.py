@@ -11,8 +11,9 @@ fewer, larger operations:
   capacity, head_dim)`` per layer; a block is written in place at the cache's end, and a rollback
   only moves the end back (rejected entries are overwritten by the next block);
 * one product per layer produces queries, keys and values together, from a concatenated weight
-  with the query scaling folded in; every weight is packed once into oneDNN's layout (a
-  transposed copy for ``addmm`` where oneDNN cannot run), and ReLU is fused into its product;
+  with the query scaling folded in; each product runs on the kernel measured faster on this
+  machine for its number of rows, MKL's ``addmm`` on a transposed weight or oneDNN's product on
+  a packed one with ReLU fused (step/products.py);
 * attention is ``F.scaled_dot_product_attention`` (a fused kernel), with a mask only where one is
   needed (a block of several positions, rolled-back holes, a ragged block, padded sources);
 * the encoder's keys and values are projected once per batch.
@@ -36,7 +37,7 @@ from torch import Tensor
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.block_decoder import keep_bounds
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
-from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
+from fairseq_pardec.decoding.step.products import KernelChoice, Linear
 from fairseq_pardec.models.decoder_inputs import encoder_states
 
 # A bound on |fast log-prob - fairseq log-prob| in float32, with a wide safety factor: the largest
@@ -57,36 +58,6 @@ def fast_supported(decoder) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
-class _Linear:
-    """One linear map of the fast step, ``x -> x W^T + b`` on 2-D rows (optionally followed by
-    a fused ReLU).
-
-    On the CPU in float32 the weight is packed once into oneDNN's blocked layout: for the row
-    counts decoding has (1 to a few hundred) oneDNN's packed product is 1.3-2.7x faster than
-    MKL's ``addmm`` on a transposed copy, because it streams the weights on both threads where
-    MKL's small products leave one idle (measured on a chain of a d256 decoder's 19 products,
-    docs/results.md, "The fast step's products"). Without oneDNN the transposed copy and
-    ``addmm`` serve.
-    """
-
-    def __init__(self, weight: Tensor, bias: Optional[Tensor], relu: bool = False):
-        weight = weight.detach()
-        self.bias = None if bias is None else bias.detach().contiguous()
-        self.relu = relu
-        self.packed = packs_on_onednn()
-        if self.packed:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-        else:
-            self.weight = weight.t().contiguous()
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self.weight, self.bias, "relu" if self.relu else "none", [], "")
-        out = torch.addmm(self.bias, x, self.weight) if self.bias is not None else x @ self.weight
-        return out.relu_() if self.relu else out
-
-
 class _Layer:
     """One decoder layer's weights in the layout the fast step multiplies with."""
 
@@ -95,21 +66,25 @@ class _Layer:
         self.heads, self.head_dim = attn.num_heads, attn.head_dim
         self.embed_dim = attn.embed_dim
         scale = attn.scaling
-        self.qkv = _Linear(torch.cat([attn.q_proj.weight * scale, attn.k_proj.weight,
+        self.qkv = Linear(torch.cat([attn.q_proj.weight * scale, attn.k_proj.weight,
                                       attn.v_proj.weight]),
                            torch.cat([attn.q_proj.bias * scale, attn.k_proj.bias, attn.v_proj.bias]))
-        self.out = _Linear(attn.out_proj.weight, attn.out_proj.bias)
+        self.out = Linear(attn.out_proj.weight, attn.out_proj.bias)
         self.cross_heads, self.cross_head_dim = cross.num_heads, cross.head_dim
-        self.cross_q = _Linear(cross.q_proj.weight * cross.scaling, cross.q_proj.bias * cross.scaling)
-        self.cross_out = _Linear(cross.out_proj.weight, cross.out_proj.bias)
+        self.cross_q = Linear(cross.q_proj.weight * cross.scaling, cross.q_proj.bias * cross.scaling)
+        self.cross_out = Linear(cross.out_proj.weight, cross.out_proj.bias)
         self.cross_k, self.cross_v = cross.k_proj, cross.v_proj
         # ReLU fuses into the first feed-forward product; any other activation runs after it
         relu = layer.activation_fn is F.relu
-        self.fc1 = _Linear(layer.fc1.weight, layer.fc1.bias, relu=relu)
+        self.fc1 = Linear(layer.fc1.weight, layer.fc1.bias, relu=relu)
         self.activation = None if relu else layer.activation_fn
-        self.fc2 = _Linear(layer.fc2.weight, layer.fc2.bias)
+        self.fc2 = Linear(layer.fc2.weight, layer.fc2.bias)
         self.pre_norm = layer.normalize_before
         self.norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
+
+    def products(self) -> List[Linear]:
+        """The layer's linear maps in the order a step calls them."""
+        return [self.qkv, self.out, self.cross_q, self.cross_out, self.fc1, self.fc2]
 
 
 class FastCache:
@@ -149,6 +124,8 @@ class FastBlockDecoder(LeanBlockDecoder):
         super().__init__(decoder)
         self._weights_key = None
         self._layers: List[_Layer] = []
+        # which kernel multiplies how many rows: measured on this decoder (step/products.py)
+        self.kernels = KernelChoice()
 
     def new_state(self) -> FastCache:
         return FastCache()
@@ -160,6 +137,9 @@ class FastBlockDecoder(LeanBlockDecoder):
             with torch.no_grad():
                 self._layers = [_Layer(layer) for layer in self.layers]
             self._weights_key = key
+            self.kernels.measure([layer.products() for layer in self._layers], self.logits)
+        elif self.kernels.stale():
+            self.kernels.measure([layer.products() for layer in self._layers], self.logits)
         return self._layers
 
     # ------------------------------------------------------------------ forward
@@ -245,6 +225,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         x = x.reshape(length * bsz, -1)
         if not layout.dense:
             x = x.index_select(0, layout.index)
+        onednn = self.kernels.onednn_for(x.size(0))
 
         first = cache.length
         total = first + length
@@ -258,35 +239,35 @@ class FastBlockDecoder(LeanBlockDecoder):
             residual = x
             if layer.pre_norm:
                 x = norm_attn(x)
-            qkv = grid(layer.qkv(x)).view(length, bsz, 3, heads, head_dim)
+            qkv = grid(layer.qkv(x, onednn)).view(length, bsz, 3, heads, head_dim)
             cache.keys[i][:, :, first:total] = qkv[:, :, 1].permute(1, 2, 0, 3)
             cache.values[i][:, :, first:total] = qkv[:, :, 2].permute(1, 2, 0, 3)
             q = qkv[:, :, 0].permute(1, 2, 0, 3)
             out = F.scaled_dot_product_attention(
                 q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total],
                 attn_mask=mask, scale=1.0)
-            x = layer.out(self._pack(out, layout)).add_(residual)
+            x = layer.out(self._pack(out, layout), onednn).add_(residual)
             if not layer.pre_norm:
                 x = norm_attn(x)
             # encoder attention over keys and values projected once per batch
             residual = x
             if layer.pre_norm:
                 x = norm_cross(x)
-            q = grid(layer.cross_q(x)).view(
+            q = grid(layer.cross_q(x, onednn)).view(
                 length, bsz, layer.cross_heads, layer.cross_head_dim).permute(1, 2, 0, 3)
             out = F.scaled_dot_product_attention(q, cache.enc_keys[i], cache.enc_values[i],
                                                  attn_mask=cache.enc_attend, scale=1.0)
-            x = layer.cross_out(self._pack(out, layout)).add_(residual)
+            x = layer.cross_out(self._pack(out, layout), onednn).add_(residual)
             if not layer.pre_norm:
                 x = norm_cross(x)
             # feed-forward
             residual = x
             if layer.pre_norm:
                 x = norm_ffn(x)
-            hidden = layer.fc1(x)
+            hidden = layer.fc1(x, onednn)
             if layer.activation is not None:
                 hidden = layer.activation(hidden)
-            x = layer.fc2(hidden).add_(residual)
+            x = layer.fc2(hidden, onednn).add_(residual)
             if not layer.pre_norm:
                 x = norm_ffn(x)
         cache.length = total
