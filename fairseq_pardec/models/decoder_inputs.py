@@ -1,5 +1,5 @@
-"""What a fairseq Transformer decoder reads besides its own states: its input embeddings at
-explicit positions, and the encoder's output.
+"""What a fairseq Transformer decoder reads besides its own states (its input embeddings at
+explicit positions, the encoder's output), and how its features leave the last layer.
 
 fairseq's decoder derives each token's position from its index (or, incrementally, from the
 length of its cache). A block-causal drafter and the draft-and-verify engine feed tokens whose
@@ -44,6 +44,19 @@ def embed_at(decoder, tokens: Tensor, positions: Tensor) -> Tensor:
     if decoder.layernorm_embedding is not None:
         x = decoder.layernorm_embedding(x)
     return decoder.dropout_module(x)
+
+
+def final_features(decoder, x: Tensor, time_major: bool) -> Tensor:
+    """The end of fairseq's ``extract_features_scriptable`` on the last layer's output ``x``:
+    the final layer norm, batch-first order (when ``x`` is time-major, (T, B, C)), and the
+    projection out of the model dimension. Packed rows (N, C) pass with ``time_major=False``."""
+    if decoder.layer_norm is not None:
+        x = decoder.layer_norm(x)
+    if time_major:
+        x = x.transpose(0, 1)
+    if decoder.project_out_dim is not None:
+        x = decoder.project_out_dim(x)
+    return x
 
 
 def encoder_states(encoder_out) -> Tuple[Optional[Tensor], Optional[Tensor]]:

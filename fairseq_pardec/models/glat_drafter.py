@@ -38,7 +38,7 @@ from fairseq.models.transformer import (
 )
 
 from fairseq_pardec.errors import UsageError
-from fairseq_pardec.models.decoder_inputs import embed_at, encoder_states
+from fairseq_pardec.models.decoder_inputs import embed_at, encoder_states, final_features
 from fairseq_pardec.models.loading import built_from_checkpoint, init_from_checkpoint
 from fairseq_pardec.models.sizes import tiny_sizes
 
@@ -203,12 +203,7 @@ class GlatDrafterModel(TransformerModel):
         for layer in dec.layers:
             x, _, _ = layer(x, enc, enc_pad, self_attn_mask=mask,
                             self_attn_padding_mask=self_pad if bool(self_pad.any()) else None)
-        if dec.layer_norm is not None:
-            x = dec.layer_norm(x)
-        x = x.transpose(0, 1)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
-        return x
+        return final_features(dec, x, time_major=True)
 
     def draft_inputs(self, prefixes, n_prefix, k):
         """The decoder input per row and the positions of its k mask slots: ``[BOS, prefix,

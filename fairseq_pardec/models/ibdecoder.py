@@ -32,7 +32,7 @@ from fairseq.models.transformer import (
 )
 
 from fairseq_pardec.models import interleaving
-from fairseq_pardec.models.decoder_inputs import encoder_states
+from fairseq_pardec.models.decoder_inputs import encoder_states, final_features
 from fairseq_pardec.errors import UsageError
 from fairseq_pardec.models.loading import built_from_checkpoint, init_from_checkpoint
 from fairseq_pardec.models.sizes import tiny_sizes
@@ -142,12 +142,7 @@ class IBDecoderDecoder(TransformerDecoderBase):
             x, _, _ = layer(x, enc, enc_pad, incremental_state, self_attn_mask=self_attn_mask,
                             self_attn_padding_mask=self_attn_padding_mask)
             inner_states.append(x)
-        if self.layer_norm is not None:
-            x = self.layer_norm(x)
-        x = x.transpose(0, 1)
-        if self.project_out_dim is not None:
-            x = self.project_out_dim(x)
-        return x, {"attn": [None], "inner_states": inner_states}
+        return final_features(self, x, time_major=True), {"attn": [None], "inner_states": inner_states}
 
 
 @register_model("ibdecoder")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_pardec.errors import UsageError
-from fairseq_pardec.models.decoder_inputs import embed_at, encoder_states
+from fairseq_pardec.models.decoder_inputs import embed_at, encoder_states, final_features
 
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules import (
@@ -144,12 +144,7 @@ class BlockDecoder:
                 self_attn_mask=attn_mask,
                 self_attn_padding_mask=block_pad,
             )
-        if dec.layer_norm is not None:
-            x = dec.layer_norm(x)
-        x = x.transpose(0, 1)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
-        return x
+        return final_features(dec, x, time_major=True)
 
     def forward_packed(self, tokens, start, layout, encoder_out, incremental_state) -> Tensor:
         """:meth:`forward_block` with the features packed as ``layout`` (a

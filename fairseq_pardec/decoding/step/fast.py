@@ -38,7 +38,7 @@ from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.block_decoder import keep_bounds
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 from fairseq_pardec.decoding.step.products import KernelChoice, Linear
-from fairseq_pardec.models.decoder_inputs import encoder_states
+from fairseq_pardec.models.decoder_inputs import encoder_states, final_features
 
 # A bound on |fast log-prob - fairseq log-prob| in float32, with a wide safety factor: the largest
 # difference measured on the test models and on trained d256 models is below 2e-5
@@ -271,11 +271,7 @@ class FastBlockDecoder(LeanBlockDecoder):
             if not layer.pre_norm:
                 x = norm_ffn(x)
         cache.length = total
-        if dec.layer_norm is not None:
-            x = dec.layer_norm(x)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
-        return x
+        return final_features(dec, x, time_major=False)
 
     @staticmethod
     def _pack(out: Tensor, layout: BlockLayout) -> Tensor:
