@@ -138,8 +138,8 @@ def test_fast_step_only_where_it_computes_fairseqs_function():
 
 def test_products_agree_across_kernels_and_the_choice_follows_the_thread_count():
     """Both kernels compute x W^T + b (ReLU fused or not) within float32 rounding; the kernel
-    choice is measured per row-count regime and again when the thread count changes, never
-    once pinned."""
+    choice is measured per row-count regime, without moving the global random state, and again
+    when the thread count changes, never once pinned."""
     g = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
     for relu in (False, True):
@@ -154,7 +154,9 @@ def test_products_agree_across_kernels_and_the_choice_follows_the_thread_count()
     choice = KernelChoice()
     assert choice.stale()
     chain = [[Linear(weight, bias), Linear(torch.randn(16, 24, generator=g), None)]]
+    rng = torch.get_rng_state()
     choice.measure(chain, rounds=1, calls=1)
+    assert torch.equal(torch.get_rng_state(), rng)  # --sampling's draws stay fairseq's
     assert not choice.stale()
     assert {choice.onednn_for(rows) for rows in (1, 8, 100)} <= {False, True}
     if not packs_on_onednn():

@@ -46,10 +46,6 @@ class Linear:
                        and weight.dtype == torch.float32 else None)
 
     @property
-    def out_features(self) -> int:
-        return self.transposed.size(1)
-
-    @property
     def in_features(self) -> int:
         return self.transposed.size(0)
 
@@ -92,10 +88,12 @@ class KernelChoice:
             self._onednn = (False,) * len(_PROBE_ROWS)
             return
         width = chain[0][0].in_features
+        # a generator of its own: measuring must not move the global random state (--sampling)
+        noise = torch.Generator().manual_seed(0)
         choice = []
         with torch.no_grad():
             for rows in _PROBE_ROWS:
-                inputs = {lin.in_features: torch.randn(rows, lin.in_features)
+                inputs = {lin.in_features: torch.randn(rows, lin.in_features, generator=noise)
                           for layer in chain for lin in layer}
 
                 def run(onednn: bool):
