@@ -9,28 +9,18 @@ is bound by how fast the weights stream in. This script times the whole chain, i
 step runs it, three ways: MKL's ``addmm`` on transposed copies (the fast step before oneDNN),
 ``F.linear`` (fairseq's modules), and oneDNN with every weight packed once
 (``decoding/step/fast.py``). Runs alternate between the kernels; each cell is the median of 5
-alternating medians.
+alternating medians (of ``--calls`` calls each, after a warm-up of 3).
 
 usage: examples/decoder_products_cost.py CHECKPOINT [--rows 1 4 8 32 128 256] [--threads 2]
 """
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-
-def median_ms(fn, calls: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000.0 * statistics.median(times)
+from fairseq_pardec.benchmark.step_table import median_ms
 
 
 def decoder_weights(state):

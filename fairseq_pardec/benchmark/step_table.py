@@ -27,7 +27,8 @@ from fairseq_pardec.decoding.step.lean import block_decoder_for
 BLOCKS = (1, 4, 8, 16)
 
 
-def _median_ms(call, repeats: int) -> float:
+def median_ms(call, repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``call`` in ms, after a warm-up of 3."""
     for _ in range(3):
         call()
     times = []
@@ -65,7 +66,7 @@ def step_costs(model, sample, prefix: int = 16, repeats: int = 20,
                                   incremental_state=state)
             model.get_normalized_probs(out, log_probs=True)
 
-        costs["fairseq"] = _median_ms(fairseq_step, repeats)
+        costs["fairseq"] = median_ms(fairseq_step, repeats)
 
         lean = block_decoder_for(decoder, lean=True, fast=False)
         lean_cache = lean.new_state()
@@ -83,7 +84,7 @@ def step_costs(model, sample, prefix: int = 16, repeats: int = 20,
             lean.log_probs(features)
             lean.rollback(lean_cache, 1, none_kept)
 
-        costs["lean"] = _median_ms(lean_step, repeats)
+        costs["lean"] = median_ms(lean_step, repeats)
 
         engine = block_decoder_for(decoder, lean=True, fast=True)
         cache = engine.new_state()
@@ -101,7 +102,7 @@ def step_costs(model, sample, prefix: int = 16, repeats: int = 20,
                 engine.log_probs(features)
                 engine.rollback(cache, length, reject)
 
-            costs["block %d" % length] = _median_ms(block_step, repeats)
+            costs["block %d" % length] = median_ms(block_step, repeats)
     costs["engine"] = type(engine).__name__
     return costs
 

@@ -133,12 +133,12 @@ class FastBlockDecoder(LeanBlockDecoder):
     def _prepared(self) -> List[_Layer]:
         """The layers' weights in the fast layout, rebuilt when a parameter changed."""
         key = tuple((p.data_ptr(), p._version) for p in self.decoder.layers.parameters())
-        if key != self._weights_key:
+        changed = key != self._weights_key
+        if changed:
             with torch.no_grad():
                 self._layers = [_Layer(layer) for layer in self.layers]
             self._weights_key = key
-            self.kernels.measure([layer.products() for layer in self._layers], self.logits)
-        elif self.kernels.stale():
+        if changed or self.kernels.stale():
             self.kernels.measure([layer.products() for layer in self._layers], self.logits)
         return self._layers
 
