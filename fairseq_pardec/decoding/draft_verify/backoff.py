@@ -18,35 +18,43 @@ from torch import Tensor
 
 
 class DraftBackoff:
-    """The back-off state of one batch's rows (one object per ``generate`` call)."""
+    """The back-off state of one batch's rows (one object per ``generate`` call). A few
+    integers per row, kept on the host: updating them in Python costs less than the tensor
+    operations it would take (the engine's iteration on the CPU is bound by such small costs)."""
 
     TOLERATED = 1  # consecutive rejected drafts before the row backs off
     LONGEST_WAIT = 16
     PROBE = 2  # most draft tokens of a row that is backing off
 
     def __init__(self, bsz: int, device):
-        self.failures = torch.zeros(bsz, dtype=torch.long, device=device)
-        self.wait = torch.zeros(bsz, dtype=torch.long, device=device)
+        self.device = device
+        self.failures = [0] * bsz
+        self.wait = [0] * bsz
 
     def room(self, room: Tensor) -> Tensor:
         """The draft room of each row: none while it waits, a probe's after its wait."""
-        probing = self.failures > self.TOLERATED
-        room = torch.where(probing, room.clamp(max=self.PROBE), room)
-        return room.masked_fill(self.wait > 0, 0)
+        allowed = []
+        for r, failures, wait in zip(room.tolist(), self.failures, self.wait):
+            if wait > 0:
+                allowed.append(0)
+            else:
+                allowed.append(min(r, self.PROBE) if failures > self.TOLERATED else r)
+        return torch.tensor(allowed, dtype=room.dtype, device=room.device)
 
     def update(self, drafted: Tensor, accepted: Tensor):
         """After an iteration: ``drafted`` (B,) tokens each row's drafter proposed, ``accepted``
         (B,) how many of them the verifier kept."""
-        tried = drafted > 0
-        failed = tried & accepted.eq(0)
-        self.failures = torch.where(tried, (self.failures + 1) * failed, self.failures)
-        excess = (self.failures - self.TOLERATED).clamp(min=0, max=8)
-        backoff = torch.where(
-            failed & (excess > 0), (2 ** (excess - 1)).clamp(max=self.LONGEST_WAIT), 0
-        )
-        self.wait = torch.where(tried, backoff, (self.wait - 1).clamp(min=0))
+        for r, (tried, kept) in enumerate(zip(drafted.tolist(), accepted.tolist())):
+            if tried <= 0:
+                self.wait[r] = max(self.wait[r] - 1, 0)
+                continue
+            failed = kept == 0
+            self.failures[r] = self.failures[r] + 1 if failed else 0
+            excess = min(max(self.failures[r] - self.TOLERATED, 0), 8)
+            self.wait[r] = min(2 ** (excess - 1), self.LONGEST_WAIT) if failed and excess > 0 else 0
 
     def keep(self, alive: Tensor):
         """Keep (and reorder) rows, as the engine does when finished rows leave."""
-        self.failures = self.failures[alive]
-        self.wait = self.wait[alive]
+        order = alive.tolist()
+        self.failures = [self.failures[i] for i in order]
+        self.wait = [self.wait[i] for i in order]

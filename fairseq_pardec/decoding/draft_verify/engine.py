@@ -32,6 +32,7 @@ from fairseq_pardec.decoding.fairseq_rules import (beam_one_choice, running_scor
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls, fairseq_decision
 from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
+from fairseq_pardec.decoding.draft_verify.host_decisions import accept_and_commit, decides_on_host
 from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
 from fairseq_pardec.decoding.draft_verify.drafters import pad_drafts
 from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
@@ -98,6 +99,9 @@ class DraftVerifyGenerator(StatsGenerator):
         self.src_pad = self.pad
         # rows whose drafts keep being rejected stop drafting for a while (draft_verify/backoff.py)
         self.backoff = backoff
+        # exact decisions on the CPU are made in Python (host_decisions.py); False forces the
+        # tensor path (tests compare the two)
+        self.host_decisions = True
         # --sampling: speculative sampling replaces the acceptance rule (speculative.py)
         self.sampler = sampler
         if sampler is not None:
@@ -151,11 +155,17 @@ class DraftVerifyGenerator(StatsGenerator):
     # ------------------------------------------------------------------ main loop
     def _generate(self, sample, prefix_tokens=None, bos_token=None, **unused):
         batch = self._start(sample, prefix_tokens, bos_token)
+        # on the CPU an iteration's decisions cost less in Python than in small tensor operations
+        on_host = decides_on_host(self, sample["net_input"]["src_tokens"], prefix_tokens)
         while batch.rows.numel() > 0:
             block = self._draft(batch)
             features, lprobs, forced = self._verify(batch, block)
-            n_acc, verifier, before = self._accept(batch, block, lprobs, forced, sample, bos_token)
-            done = self._commit(batch, block, features, lprobs, n_acc, verifier, before)
+            if on_host:
+                done = accept_and_commit(self, batch, block, features, lprobs, sample, bos_token)
+            else:
+                n_acc, verifier, before = self._accept(batch, block, lprobs, forced, sample,
+                                                       bos_token)
+                done = self._commit(batch, block, features, lprobs, n_acc, verifier, before)
             self._retire(batch, done)
         return batch.finalized
 
@@ -414,6 +424,9 @@ class _Batch:
         # the same lengths on the host (updated from the iteration's one read), and their max
         self.n_out_host = torch.zeros(bsz, dtype=torch.long)
         self.longest = 0
+        # the cumulative score of each row's last accepted token, as a float32 value (kept by
+        # the host path, host_decisions.py)
+        self.prev_score = [0.0] * bsz
         self.cache = generator.block_decoder.new_state()
         self.backoff = DraftBackoff(bsz, device) if generator.backoff else None
         self.finalized = [[] for _ in range(bsz)]
@@ -427,6 +440,7 @@ class _Batch:
         """Keep the active rows ``alive`` (indices into the active rows, on the host), in that
         order."""
         self.n_out_host = self.n_out_host[alive]
+        self.prev_score = [self.prev_score[i] for i in alive.tolist()]
         self.longest = int(self.n_out_host.max()) if alive.numel() else 0
         alive = alive.to(self.rows.device)
         self.rows, self.tokens = self.rows[alive], self.tokens[alive]

@@ -1,0 +1,126 @@
+"""Accept and commit one iteration on the host: exact verification on the CPU.
+
+The engine's tensor path (engine.py, ``_accept`` and ``_commit``) decides every row of the batch
+at once, in about 140 small tensor operations per iteration. On the CPU each of them costs a few
+microseconds whatever its size, while what they decide rests on a handful of numbers per verified
+position: the best token and the two best log-probabilities. This module reads those numbers once
+per iteration (one ``topk``, a few ``tolist``), walks each row's block in Python, and writes the
+accepted tokens and their scores back in one indexed write each. It decides what the tensor path
+decides, number for number:
+
+* fairseq's beam-1 choice (fairseq_rules.beam_one_choice): the best token, unless adding the
+  hypothesis score ties the best two, where the row's own ``topk`` is redone as fairseq does it;
+* the cumulative scores, rounded to float32 after every addition (fairseq_rules.running_scores);
+* the margin guard (margin_guard.close_calls): where the fast step's choice is not certain,
+  fairseq's own decision, and the row's acceptance ends there;
+* exact acceptance: the longest draft prefix equal to the verifier's tokens, then the verifier's
+  token, up to the first EOS.
+
+It serves lossless acceptance without a forced prefix or sampling, on the CPU; everything else
+takes the tensor path.
+"""
+
+from typing import List
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fairseq_pardec.decoding.draft_verify.drafters.base import Drafter
+from fairseq_pardec.decoding.draft_verify.margin_guard import _ADD_ROUNDING, fairseq_decision
+
+_f32 = np.float32
+
+
+def decides_on_host(generator, src_tokens: Tensor, prefix_tokens) -> bool:
+    """Whether this batch's iterations may be decided here (else the tensor path runs)."""
+    acceptance = generator.acceptance
+    return (generator.host_decisions and src_tokens.device.type == "cpu"
+            and generator.sampler is None
+            and acceptance.lossless and not acceptance.reads_log_probs
+            and (prefix_tokens is None or prefix_tokens.size(1) == 0)
+            and generator.vocab_size > 2)
+
+
+def _beam_one(lprobs: Tensor, at: int, best: int, first: float, second: float, score):
+    """fairseq's choice at packed position ``at`` after a hypothesis of score ``score`` (float32),
+    and its log-probability: the best token unless the addition ties the best two."""
+    if _f32(first) + score > _f32(second) + score:
+        return best, first
+    # the row alone, as beam_one_choice redoes a tied row
+    token = int((lprobs[at: at + 1] + float(score)).topk(2, dim=-1).indices[0, 0])
+    return token, float(lprobs[at, token])
+
+
+def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor, sample,
+                      bos_token) -> Tensor:
+    """Steps 3 and 4 of an iteration (engine.py) for every active row. Returns the (B,) bool
+    rows that emitted EOS, on the host."""
+    top = lprobs.topk(2, dim=-1)
+    values: List[List[float]] = top.values.tolist()
+    best: List[int] = top.indices[:, 0].tolist()
+    drafts = block.draft.tolist()
+    lengths = block.draft_len.tolist()
+    pos = block.layout.pos.tolist()
+    n_out = batch.n_out_host.tolist()
+    guarded = generator._guarded()
+    twice_margin = 2 * generator.margin
+    eos = generator.eos
+    rows, cols, tokens, scores = [], [], [], []
+    n_acc, gained, done, last_pos, last_token = [], [], [], [], []
+    for r in range(block.rows):
+        draft, length, row_pos = drafts[r], lengths[r], pos[r]
+        score = _f32(batch.prev_score[r])
+        accepted = 0
+        for j in range(length + 1):
+            at = row_pos[j]
+            first, second = values[at]
+            token, lp = _beam_one(lprobs, at, best[at], first, second, score)
+            close = guarded and not (first - second > twice_margin
+                                     + _ADD_ROUNDING * (abs(float(score)) + abs(first)))
+            if close:
+                # fairseq's own arithmetic decides; the row's acceptance ends here
+                decided = torch.cat([batch.tokens[r, 1: n_out[r] + 1],
+                                     block.draft[r, :j]])
+                token = fairseq_decision(generator, sample["net_input"]["src_tokens"][
+                    batch.rows[r]], decided, bos_token)
+                lp = float(lprobs[at, token])
+                generator.stats.close_calls += 1
+            score = _f32(score + _f32(lp))
+            rows.append(r)
+            cols.append(n_out[r] + j)
+            tokens.append(token)
+            scores.append(float(score))
+            ended = token == eos
+            if close or ended or j == length or draft[j] != token:
+                break
+            accepted += 1
+        n_acc.append(accepted)
+        gained.append(j + 1)
+        done.append(ended)
+        last_pos.append(at)
+        last_token.append(token)
+        batch.prev_score[r] = float(score)
+
+    device = batch.tokens.device
+    row_index = torch.tensor(rows, device=device)
+    col_index = torch.tensor(cols, device=device)
+    batch.tokens.index_put_((row_index, col_index + 1), torch.tensor(tokens, device=device))
+    batch.cum_scores.index_put_((row_index, col_index),
+                                torch.tensor(scores, dtype=batch.cum_scores.dtype, device=device))
+    gained_t = torch.tensor(gained)
+    batch.n_out_host += gained_t
+    batch.n_out = batch.n_out_host.to(device)
+    longest, fewest = max(n + g for n, g in zip(n_out, gained)), min(gained)
+    batch.longest = longest
+    n_acc_t = torch.tensor(n_acc, device=device)
+    if batch.backoff is not None:
+        batch.backoff.update(block.drafted, n_acc_t)
+    drafter = generator.drafter
+    if type(drafter).observe is not Drafter.observe:
+        with batch.drafter_timer:
+            drafter.observe(batch.rows, features.index_select(0, torch.tensor(last_pos, device=device)),
+                            gained_t.to(device) - 1, torch.tensor(last_token, device=device))
+    generator.block_decoder.rollback(batch.cache, block.width + 1, gained_t.to(device),
+                                     keep_range=(fewest, max(gained)))
+    return torch.tensor(done)
