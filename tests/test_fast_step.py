@@ -8,6 +8,7 @@ from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, 
 from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls
 from fairseq_pardec.decoding.step.fast import DEFAULT_MARGIN, FastBlockDecoder
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
+from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, block_decoder_for
 from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
 from fairseq_pardec.decoding.step.products import KernelChoice, Linear
@@ -33,8 +34,9 @@ def _log_probs(blocks, features):
 @pytest.mark.parametrize("onednn", [False, True, None], ids=["addmm", "onednn", "measured"])
 def test_fast_log_probs_within_the_guards_bound(overrides, ragged, onednn):
     """Through blocks, rollback holes, compaction and shrinking batches, the fast step's
-    log-probabilities stay within a tenth of the guard's margin of fairseq's module path, with
-    either kernel for the products and with the one measured faster per row count."""
+    log-probabilities, on the fast encoder's output, stay within a tenth of the guard's margin
+    of fairseq's module path on fairseq's encoder, with either kernel for the products and with
+    the one measured faster per row count."""
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=31, **overrides)
     sample = random_batch(d, [4, 9, 1, 15, 6, 3, 22, 2], seed=7)
@@ -46,10 +48,41 @@ def test_fast_log_probs_within_the_guards_bound(overrides, ragged, onednn):
         fast.kernels.pin(onednn)
     module = BlockDecoder(model.decoder)
     worst = 0.0
-    for x, y in zip(_drive(fast, model, sample, seed=5, ragged=ragged),
+    encode = FastEncoder(model.encoder, fast.kernels)
+    for x, y in zip(_drive(fast, model, sample, seed=5, ragged=ragged, encode=encode),
                     _drive(module, model, sample, seed=5, ragged=ragged)):
         worst = max(worst, float((_log_probs(fast, x) - _log_probs(module, y)).abs().max()))
     assert worst < DEFAULT_MARGIN / 10
+
+
+@pytest.mark.parametrize("overrides", ARCHITECTURES)
+def test_fast_encoder_output_is_fairseqs(overrides):
+    """The fast encoder's dictionary is fairseq's: the same entries, masks and lengths, states
+    within float32 rounding, on padded batches and on one sentence; the engine encodes with it
+    only where it computes fairseq's function."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=34, **overrides)
+    assert fast_encoder_supported(model.encoder)
+    encode = FastEncoder(model.encoder)
+    for lengths in ([4, 9, 1, 15], [6]):
+        net_input = random_batch(d, lengths, seed=3)["net_input"]
+        with torch.no_grad():
+            expected = model.encoder.forward_torchscript(net_input)
+        got = encode(net_input)
+        assert set(got) == set(expected)
+        for key, values in expected.items():
+            assert len(got[key]) == len(values)
+            for e, g in zip(values, got[key]):
+                assert e.shape == g.shape and e.dtype == g.dtype
+                if e.is_floating_point():
+                    assert torch.allclose(e, g, atol=1e-5), key
+                else:
+                    assert torch.equal(e, g), key
+    generator = _iad(model, d)
+    assert isinstance(generator.encode, FastEncoder)
+    model.double()
+    assert not fast_encoder_supported(model.encoder)
+    assert not isinstance(_iad(model, d).encode, FastEncoder)
 
 
 def test_rejected_entries_are_overwritten():

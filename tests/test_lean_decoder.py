@@ -10,10 +10,12 @@ from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, block_decoder_fo
 from helpers import make_dictionary, make_task, random_batch, tiny_transformer
 
 
-def _drive(blocks, model, sample, seed, ragged=True):
-    """Run the same random block / rollback / compact / shrink schedule; return every feature."""
+def _drive(blocks, model, sample, seed, ragged=True, encode=None):
+    """Run the same random block / rollback / compact / shrink schedule; return every feature.
+    ``encode``: what encodes the batch (fairseq's encoder by default)."""
     d_pad = model.decoder.padding_idx
-    enc = model.encoder.forward_torchscript(sample["net_input"])
+    with torch.no_grad():
+        enc = (encode or model.encoder.forward_torchscript)(sample["net_input"])
     bsz = sample["net_input"]["src_tokens"].size(0)
     g = torch.Generator().manual_seed(seed)
     state = blocks.new_state()

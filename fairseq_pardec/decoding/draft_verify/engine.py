@@ -37,6 +37,7 @@ from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, Spe
 from fairseq_pardec.decoding.draft_verify.drafters import pad_drafts
 from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
+from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
 from fairseq_pardec.decoding.step.lean import block_decoder_for
 from fairseq_pardec.decoding.decode_stats import DecodeStats, PartTimer, StatsGenerator
 
@@ -81,6 +82,10 @@ class DraftVerifyGenerator(StatsGenerator):
         from fairseq_pardec.decoding.step.fast import DEFAULT_MARGIN
 
         self.margin = DEFAULT_MARGIN if margin is None else margin
+        # with the fast step, the encoder runs on the same kernels (step/fast_encoder.py)
+        self.encode = self.model.encoder.forward_torchscript
+        if getattr(self.block_decoder, "fast", False) and fast_encoder_supported(self.model.encoder):
+            self.encode = FastEncoder(self.model.encoder, self.block_decoder.kernels)
         self.tgt_dict = tgt_dict
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.vocab_size = len(tgt_dict)
@@ -182,7 +187,7 @@ class DraftVerifyGenerator(StatsGenerator):
                              "at most the model's %d) is below --min-len %d; raise --max-len-b"
                              % (self.max_len_a, src_len, self.max_len_b, self.max_len - 1,
                                 self.min_len))
-        encoder_out = self.model.encoder.forward_torchscript(net_input)
+        encoder_out = self.encode(net_input)
         bos = self.eos if bos_token is None else bos_token
         batch = _Batch(self, bsz, max_len, bos, encoder_out, prefix_tokens, device)
         with batch.drafter_timer:

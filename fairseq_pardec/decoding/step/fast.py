@@ -16,7 +16,8 @@ fewer, larger operations:
   a packed one with ReLU fused (step/products.py);
 * attention is ``F.scaled_dot_product_attention`` (a fused kernel), with a mask only where one is
   needed (a block of several positions, rolled-back holes, a ragged block, padded sources);
-* the encoder's keys and values are projected once per batch.
+* the encoder's keys and values are projected once per batch (and the encoder itself runs on the
+  same kernels: step/fast_encoder.py).
 
 The result is the same function rounded differently (folded scaling, fused products, another
 softmax kernel): its log-probabilities differ from fairseq's by a few 1e-6 in float32 (measured
@@ -40,10 +41,12 @@ from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 from fairseq_pardec.decoding.step.products import KernelChoice, Linear
 from fairseq_pardec.models.decoder_inputs import encoder_states, final_features
 
-# A bound on |fast log-prob - fairseq log-prob| in float32, with a wide safety factor: the largest
-# difference measured on the test models and on trained d256 models is below 2e-5
-# (tests/test_fast_step.py asserts the measured difference stays under a tenth of it).
-DEFAULT_MARGIN = 2e-4
+# A bound on |fast log-prob - fairseq log-prob| in float32, with a wide safety factor. The fast
+# encoder and step together, against fairseq's encoder and decoder, differed by at most 4.6e-5 on
+# 160 UA-GEC and 1.2e-5 on 160 ddtp test sentences (d256 models, at the best five tokens of every
+# position as at all; the step alone on fairseq's encoder output: 1.5e-5 and 8.6e-6);
+# tests/test_fast_step.py asserts the measured difference stays under a tenth of the margin.
+DEFAULT_MARGIN = 5e-4
 
 _INITIAL_CAPACITY = 64
 
