@@ -15,7 +15,7 @@ from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_ba
 def test_backoff_schedule():
     """One rejection is tolerated; from the second in a row the waits double up to the longest;
     an accepted draft ends the back-off."""
-    backoff = DraftBackoff(1, "cpu")
+    backoff = DraftBackoff(1)
     room = torch.tensor([10])
     one, none = torch.tensor([3]), torch.tensor([0])
     drafted_at = []

@@ -18,16 +18,16 @@ from torch import Tensor
 
 
 class DraftBackoff:
-    """The back-off state of one batch's rows (one object per ``generate`` call). A few
-    integers per row, kept on the host: updating them in Python costs less than the tensor
-    operations it would take (the engine's iteration on the CPU is bound by such small costs)."""
+    """The back-off state of one batch's rows (one object per ``generate`` call): a few
+    integers per row, on the host, where the engine reads each iteration's outcome anyway;
+    updating them in Python costs less than the tensor operations it would take. Tensors in and
+    out are on the CPU."""
 
     TOLERATED = 1  # consecutive rejected drafts before the row backs off
     LONGEST_WAIT = 16
     PROBE = 2  # most draft tokens of a row that is backing off
 
-    def __init__(self, bsz: int, device):
-        self.device = device
+    def __init__(self, bsz: int):
         self.failures = [0] * bsz
         self.wait = [0] * bsz
 
@@ -39,7 +39,7 @@ class DraftBackoff:
                 allowed.append(0)
             else:
                 allowed.append(min(r, self.PROBE) if failures > self.TOLERATED else r)
-        return torch.tensor(allowed, dtype=room.dtype, device=room.device)
+        return torch.tensor(allowed, dtype=room.dtype)
 
     def update(self, drafted: Tensor, accepted: Tensor):
         """After an iteration: ``drafted`` (B,) tokens each row's drafter proposed, ``accepted``

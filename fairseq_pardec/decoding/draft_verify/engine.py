@@ -198,7 +198,9 @@ class DraftVerifyGenerator(StatsGenerator):
         """1. Up to the room left before EOS is forced, the drafter's tokens for every row
         (a row inside its --prefix-size prefix drafts the prefix)."""
         room = batch.max_len - batch.n_out
-        draft_room = room if batch.backoff is None else batch.backoff.room(room)
+        draft_room = room
+        if batch.backoff is not None:  # the back-off lives on the host (backoff.py)
+            draft_room = batch.backoff.room(batch.max_len - batch.n_out_host).to(room.device)
         with batch.drafter_timer:
             draft, drafted = self.drafter.propose(batch.rows, batch.tokens, batch.n_out, draft_room)
         q = self.drafter.draft_probs if self.sampler is not None else None
@@ -259,8 +261,6 @@ class DraftVerifyGenerator(StatsGenerator):
             if close is not None and bool(close.any()):
                 self._decide_close_calls(close[layout.pos.clamp(min=0)] & ~block.pad, n_acc,
                                          verifier, block.padded_draft, batch, sample, bos_token)
-        if batch.backoff is not None:
-            batch.backoff.update(block.drafted, n_acc)
         return n_acc, verifier, before
 
     def _commit(self, batch: "_Batch", block: "_Block", features, lprobs, n_acc, verifier,
@@ -292,8 +292,12 @@ class DraftVerifyGenerator(StatsGenerator):
         with batch.drafter_timer:
             self.drafter.observe(batch.rows, features[block.layout.at(ar, gained - 1)],
                                  gained - 1, new_tokens[ar, gained - 1])
-        # the iteration's one read of the device: what each row gained and whether it ended
-        gained_host, done = torch.stack([gained, (first_eos < k + 1).long()]).cpu()
+        # the iteration's one read of the device: what each row gained and whether it ended,
+        # and for the back-off what it drafted and how much of that it kept
+        gained_host, done, drafted_host, accepted_host = torch.stack(
+            [gained, (first_eos < k + 1).long(), block.drafted, n_acc]).cpu()
+        if batch.backoff is not None:
+            batch.backoff.update(drafted_host, accepted_host)
         batch.n_out_host += gained_host
         batch.longest = int(batch.n_out_host.max())
         self.block_decoder.rollback(batch.cache, k + 1, gained,
@@ -433,7 +437,7 @@ class _Batch:
         # the host path, host_decisions.py)
         self.prev_score = [0.0] * bsz
         self.cache = generator.block_decoder.new_state()
-        self.backoff = DraftBackoff(bsz, device) if generator.backoff else None
+        self.backoff = DraftBackoff(bsz) if generator.backoff else None
         self.finalized = [[] for _ in range(bsz)]
         # every active row has gained >= 1 token per iteration: n_out >= iteration
         self.iteration = 0

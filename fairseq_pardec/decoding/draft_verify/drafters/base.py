@@ -4,7 +4,6 @@ A drafter gets the batch once (``start``) and is then asked, every iteration, fo
 ``max_len[b]`` draft tokens per active row given the tokens accepted so far.
 """
 
-import math
 import threading
 from typing import List
 
@@ -31,28 +30,20 @@ class AdaptiveCaps:
     """
 
     def __init__(self, rows: int, initial: float, device):
-        # per row of the batch, on the host: a few numbers per row are cheaper in Python than
-        # in tensor operations
-        self.device = device
-        self.mean = [float(initial)] * rows
+        self.mean = torch.full((rows,), float(initial), dtype=torch.float64, device=device)
 
     def caps(self, rows: Tensor) -> Tensor:
         """(B,) the most draft tokens each of ``rows`` may draft now (long)."""
-        return torch.tensor(self.caps_list(rows.tolist()), dtype=torch.long, device=rows.device)
-
-    def caps_list(self, rows: List[int]) -> List[int]:
-        """:meth:`caps` for rows given as a list, as a list."""
-        return [int(min(2 * self.mean[r], 2 ** 30)) + 1 for r in rows]
+        return (2 * self.mean[rows]).clamp(max=2 ** 30).long() + 1
 
     def update(self, rows: Tensor, drafted: Tensor, accepted: Tensor):
         """After a verification: ``drafted`` (B,) draft lengths, ``accepted`` (B,) draft tokens
         accepted. A row that drafted nothing keeps its mean: no draft says nothing about how
         well it drafts."""
-        for r, tried, kept in zip(rows.tolist(), drafted.tolist(), accepted.tolist()):
-            if tried > 0:
-                kept = float(min(kept, tried))
-                mean = self.mean[r]
-                self.mean[r] = kept if math.isinf(mean) else 0.5 * (mean + kept)
+        accepted = torch.minimum(accepted, drafted).to(torch.float64)
+        mean = self.mean[rows]
+        new = torch.where(torch.isinf(mean), accepted, 0.5 * (mean + accepted))
+        self.mean[rows] = torch.where(drafted > 0, new, mean)
 
 
 _THREADS_LOCK = threading.Lock()

@@ -132,14 +132,12 @@ class CopyDrafter(Drafter):
         share = self.CPU_POSITIONS // max(1, active_rows)
         return max(self.CPU_MIN_CEILING, min(self.CPU_MAX_CEILING, share))
 
-    def _row_caps(self, rows: List[int], max_len: Tensor, ceiling) -> List[int]:
+    def _row_caps(self, rows: Tensor, max_len: Tensor, ceiling) -> List[int]:
         """Most draft tokens per row now: its room, the ceiling, and (adaptive) its own cap."""
-        caps = max_len.tolist()
-        if ceiling is not None:
-            caps = [min(c, ceiling) for c in caps]
+        caps = max_len if ceiling is None else max_len.clamp(max=ceiling)
         if self.adaptive:
-            caps = [min(c, own) for c, own in zip(caps, self.caps.caps_list(rows))]
-        return caps
+            caps = torch.minimum(caps, self.caps.caps(rows))
+        return caps.tolist()
 
     def _read_new_tokens(self, row_ids: List[int], tokens: Tensor, n_out: List[int]):
         """Append each row's tokens accepted since the last call (one small gather)."""
@@ -160,7 +158,7 @@ class CopyDrafter(Drafter):
         row_ids, lengths = rows.tolist(), n_out.tolist()
         self._read_new_tokens(row_ids, tokens, lengths)
         ceiling = self._ceiling(len(row_ids))
-        for row, n, limit in zip(row_ids, lengths, self._row_caps(row_ids, max_len, ceiling)):
+        for row, n, limit in zip(row_ids, lengths, self._row_caps(rows, max_len, ceiling)):
             output = self.outputs[row]
             at = self._match(row, output) if limit > 0 else None
             if at is None:
