@@ -240,6 +240,10 @@ def test_benchmark_harness(cli_data, stock_checkpoint, tmp_path):
         assert rows[("iad", b)]["sentences"] == 9
         assert rows[("greedy", b)]["speedup_vs_greedy"] == 1.0
         assert rows[("beam2", b)]["speedup_vs_beam"] == 1.0
+        # how often the margin guard handed a choice to fairseq: counted for the guarded
+        # generator (the fast step, exact acceptance), left blank for fairseq's own
+        assert rows[("iad", b)]["close_calls"] >= 0
+        assert rows[("greedy", b)]["close_calls"] is None
     assert (out / "quality_vs_speed.png").stat().st_size > 0
     assert "| iad | 4 | 3.0 |" in (out / "results.md").read_text()
     assert "| iad | 4 | 3.0 |" in proc.stdout

@@ -17,6 +17,7 @@ COLUMNS = [
     ("verifier_share", "verifier", "%.0f%%"),
     ("iterations_per_sentence", "iters/sent", "%.1f"),
     ("identical_to_greedy", "= greedy", "%.1f%%"),
+    ("close_calls", "close calls", "%d"),
     ("identical_to_source", "= source", "%.1f%%"),
     ("first_divergence", "1st diff at", "%.1f"),
 ]
@@ -29,7 +30,8 @@ def markdown(meta, rows):
         "batch size decoded; *iter cost*: wall time of one iteration (decoder call) in greedy "
         "steps of the same batch (at batch 1 the tokens/iter needed to break even); *drafter*: "
         "share of the decoding time spent drafting, *verifier*: in the verifier's decoder calls "
-        "(CPU only; the rest is the engine); *= source*: "
+        "(CPU only; the rest is the engine); *close calls*: choices the fast step's margin guard "
+        "left to fairseq's own search, in one run; *= source*: "
         "share of outputs identical to their source (shared vocabularies only); *1st diff at*: "
         "mean token index of the first difference from "
         "greedy, over the sentences that differ."

@@ -342,6 +342,9 @@ def run(args):
                 "verifier_share": (st["verifier_time"] / st["wall_time"]
                                    if st.get("verifier_time") and st["wall_time"] > 0 else None),
                 "target_tokens": st["target_tokens"],
+                # decisions the margin guard handed to fairseq's own search (the last run's),
+                # for generators that have the guard
+                "close_calls": st.get("close_calls") if _guarded(generators[label]) else None,
                 "checkpoint": paths[label],
             }
             row.update(quality(task, outputs[label], references, args.remove_bpe, sources))
@@ -387,6 +390,12 @@ def step_row(model, sample, ct2_row, args):
     if ct2_row is not None and ct2_row.get("decoder_calls"):
         row["ct2_ms_per_step"] = 1000.0 * ct2_row["wall_time_s"] / ct2_row["decoder_calls"]
     return row
+
+
+def _guarded(generator) -> bool:
+    """Whether the generator's choices pass the fast step's margin guard."""
+    guarded = getattr(generator, "_guarded", None)
+    return bool(callable(guarded) and guarded())
 
 
 def iteration_cost(row, greedy_row):
