@@ -92,9 +92,12 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
             tokens.append(token)
             scores.append(float(score))
             ended = token == eos
-            if close or ended or j == length or draft[j] != token:
+            # a draft token is kept where the decision equals it (a close call ends the row's
+            # acceptance there, as on the tensor path)
+            kept = not close and j < length and draft[j] == token
+            accepted += kept
+            if ended or not kept:
                 break
-            accepted += 1
         n_acc.append(accepted)
         gained.append(j + 1)
         done.append(ended)
@@ -110,7 +113,7 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
                                 torch.tensor(scores, dtype=batch.cum_scores.dtype, device=device))
     gained_t = torch.tensor(gained)
     batch.n_out_host += gained_t
-    batch.n_out = batch.n_out_host.to(device)
+    batch.n_out = batch.n_out_host.to(device, copy=True)  # never the same tensor
     longest, fewest = max(n + g for n, g in zip(n_out, gained)), min(gained)
     batch.longest = longest
     n_acc_t = torch.tensor(n_acc, device=device)
