@@ -40,7 +40,8 @@ from torch import Tensor
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.block_decoder import keep_bounds
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
-from fairseq_pardec.decoding.step.products import KernelChoice, Linear
+from fairseq_pardec.decoding.step.products import (FeedForward, KernelChoice, Linear,
+                                                  query_key_value)
 from fairseq_pardec.models.decoder_inputs import encoder_states, final_features
 
 # A bound on |fast log-prob - fairseq log-prob| in float32, with a wide safety factor. The fast
@@ -70,26 +71,19 @@ class _Layer:
         attn, cross = layer.self_attn, layer.encoder_attn
         self.heads, self.head_dim = attn.num_heads, attn.head_dim
         self.embed_dim = attn.embed_dim
-        scale = attn.scaling
-        self.qkv = Linear(torch.cat([attn.q_proj.weight * scale, attn.k_proj.weight,
-                                      attn.v_proj.weight]),
-                           torch.cat([attn.q_proj.bias * scale, attn.k_proj.bias, attn.v_proj.bias]))
+        self.qkv = query_key_value(attn)
         self.out = Linear(attn.out_proj.weight, attn.out_proj.bias)
         self.cross_heads, self.cross_head_dim = cross.num_heads, cross.head_dim
         self.cross_q = Linear(cross.q_proj.weight * cross.scaling, cross.q_proj.bias * cross.scaling)
         self.cross_out = Linear(cross.out_proj.weight, cross.out_proj.bias)
         self.cross_k, self.cross_v = cross.k_proj, cross.v_proj
-        # ReLU fuses into the first feed-forward product; any other activation runs after it
-        relu = layer.activation_fn is F.relu
-        self.fc1 = Linear(layer.fc1.weight, layer.fc1.bias, relu=relu)
-        self.activation = None if relu else layer.activation_fn
-        self.fc2 = Linear(layer.fc2.weight, layer.fc2.bias)
+        self.ffn = FeedForward(layer)
         self.pre_norm = layer.normalize_before
-        self.norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
+        self.norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm)
 
     def products(self) -> List[Linear]:
         """The layer's linear maps in the order a step calls them."""
-        return [self.qkv, self.out, self.cross_q, self.cross_out, self.fc1, self.fc2]
+        return [self.qkv, self.out, self.cross_q, self.cross_out, self.ffn.fc1, self.ffn.fc2]
 
 
 class FastCache:
@@ -267,7 +261,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         grid = layout.unpack_time_major
         for i, layer in enumerate(layers):
             heads, head_dim = layer.heads, layer.head_dim
-            norm_attn, norm_cross, norm_ffn = layer.norms
+            norm_attn, norm_cross = layer.norms
             # self-attention: one product for queries, keys and values
             residual = x
             if layer.pre_norm:
@@ -290,16 +284,7 @@ class FastBlockDecoder(LeanBlockDecoder):
             x = layer.cross_out(self._pack(out, layout), onednn).add_(residual)
             if not layer.pre_norm:
                 x = norm_cross(x)
-            # feed-forward
-            residual = x
-            if layer.pre_norm:
-                x = norm_ffn(x)
-            hidden = layer.fc1(x, onednn)
-            if layer.activation is not None:
-                hidden = layer.activation(hidden)
-            x = layer.fc2(hidden, onednn).add_(residual)
-            if not layer.pre_norm:
-                x = norm_ffn(x)
+            x = layer.ffn(x, onednn)
         cache.length = total
         return final_features(dec, x, time_major=False)
 

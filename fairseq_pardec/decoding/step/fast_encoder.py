@@ -25,7 +25,8 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
-from fairseq_pardec.decoding.step.products import KernelChoice, Linear
+from fairseq_pardec.decoding.step.products import (FeedForward, KernelChoice, Linear,
+                                                  query_key_value)
 
 
 def _plain_self_attention(attn) -> bool:
@@ -61,17 +62,11 @@ class _EncoderLayer:
     def __init__(self, layer):
         attn = layer.self_attn
         self.heads, self.head_dim = attn.num_heads, attn.head_dim
-        scale = attn.scaling
-        self.qkv = Linear(torch.cat([attn.q_proj.weight * scale, attn.k_proj.weight,
-                                      attn.v_proj.weight]),
-                           torch.cat([attn.q_proj.bias * scale, attn.k_proj.bias, attn.v_proj.bias]))
+        self.qkv = query_key_value(attn)
         self.out = Linear(attn.out_proj.weight, attn.out_proj.bias)
-        relu = layer.activation_fn is F.relu
-        self.fc1 = Linear(layer.fc1.weight, layer.fc1.bias, relu=relu)
-        self.activation = None if relu else layer.activation_fn
-        self.fc2 = Linear(layer.fc2.weight, layer.fc2.bias)
+        self.ffn = FeedForward(layer)
         self.pre_norm = layer.normalize_before
-        self.norms = (layer.self_attn_layer_norm, layer.final_layer_norm)
+        self.norm_attn = layer.self_attn_layer_norm
 
 
 class FastEncoder:
@@ -94,7 +89,7 @@ class FastEncoder:
                 self._layers = [_EncoderLayer(layer) for layer in self.encoder.layers]
             self._key = key
             if self.kernels.stale():
-                self.kernels.measure([[lin for lin in (layer.qkv, layer.out, layer.fc1, layer.fc2)]
+                self.kernels.measure([[lin for lin in (layer.qkv, layer.out, layer.ffn.fc1, layer.ffn.fc2)]
                                       for layer in self._layers])
         return self._layers
 
@@ -116,7 +111,7 @@ class FastEncoder:
         x = x.reshape(bsz * length, dim)
         onednn = self.kernels.onednn_for(x.size(0))
         for layer in layers:
-            norm_attn, norm_ffn = layer.norms
+            norm_attn = layer.norm_attn
             residual = x
             if layer.pre_norm:
                 x = norm_attn(x)
@@ -127,15 +122,7 @@ class FastEncoder:
             x = layer.out(out, onednn).add_(residual)
             if not layer.pre_norm:
                 x = norm_attn(x)
-            residual = x
-            if layer.pre_norm:
-                x = norm_ffn(x)
-            hidden = layer.fc1(x, onednn)
-            if layer.activation is not None:
-                hidden = layer.activation(hidden)
-            x = layer.fc2(hidden, onednn).add_(residual)
-            if not layer.pre_norm:
-                x = norm_ffn(x)
+            x = layer.ffn(x, onednn)
         if enc.layer_norm is not None:
             x = enc.layer_norm(x)
         states = x.view(bsz, length, dim).transpose(0, 1).contiguous()  # (S, B, C), as fairseq

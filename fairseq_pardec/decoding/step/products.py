@@ -19,6 +19,7 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
@@ -58,6 +59,38 @@ class Linear:
         else:
             out = x @ self.transposed
         return out.relu_() if self.relu else out
+
+
+def query_key_value(attn) -> Linear:
+    """One product for a self-attention's queries, keys and values (fairseq's
+    ``MultiheadAttention``), with the query scaling folded into the query rows."""
+    scale = attn.scaling
+    return Linear(torch.cat([attn.q_proj.weight * scale, attn.k_proj.weight, attn.v_proj.weight]),
+                  torch.cat([attn.q_proj.bias * scale, attn.k_proj.bias, attn.v_proj.bias]))
+
+
+class FeedForward:
+    """A Transformer layer's feed-forward block on :class:`Linear` maps, as fairseq's encoder
+    and decoder layers compute it: the final layer norm before or after, two products with the
+    activation between (ReLU fused into the first product), the residual added."""
+
+    def __init__(self, layer):
+        relu = layer.activation_fn is F.relu
+        self.fc1 = Linear(layer.fc1.weight, layer.fc1.bias, relu=relu)
+        self.activation = None if relu else layer.activation_fn
+        self.fc2 = Linear(layer.fc2.weight, layer.fc2.bias)
+        self.norm = layer.final_layer_norm
+        self.pre_norm = layer.normalize_before
+
+    def __call__(self, x: Tensor, onednn: bool) -> Tensor:
+        residual = x
+        if self.pre_norm:
+            x = self.norm(x)
+        hidden = self.fc1(x, onednn)
+        if self.activation is not None:
+            hidden = self.activation(hidden)
+        x = self.fc2(hidden, onednn).add_(residual)
+        return x if self.pre_norm else self.norm(x)
 
 
 class KernelChoice:
