@@ -11,6 +11,8 @@ setup(
     version="0.1.0",
     description="Blockwise, aggressive (IAD/GAD) and interleaved bidirectional decoding for fairseq",
     packages=find_packages(include=["fairseq_pardec", "fairseq_pardec.*"]),
+    # the native product kernel's source, compiled on first use (decoding/step/native.py)
+    package_data={"fairseq_pardec.decoding.step": ["native_linear.c"]},
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.6,<3",

@@ -11,7 +11,9 @@ from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, block_decoder_for
 from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
-from fairseq_pardec.decoding.step.products import KernelChoice, Linear
+from fairseq_pardec.decoding.step.native import native_kernel, native_unavailable_reason
+from fairseq_pardec.decoding.step.products import (KERNELS, MKL, NATIVE, ONEDNN, KernelChoice,
+                                                  Linear)
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 from test_lean_decoder import _drive
@@ -31,21 +33,24 @@ def _log_probs(blocks, features):
 
 @pytest.mark.parametrize("overrides", ARCHITECTURES)
 @pytest.mark.parametrize("ragged", [False, True])
-@pytest.mark.parametrize("onednn", [False, True, None], ids=["addmm", "onednn", "measured"])
-def test_fast_log_probs_within_the_guards_bound(overrides, ragged, onednn):
+@pytest.mark.parametrize("kernel", [MKL, ONEDNN, NATIVE, None],
+                         ids=["addmm", "onednn", "native", "measured"])
+def test_fast_log_probs_within_the_guards_bound(overrides, ragged, kernel):
     """Through blocks, rollback holes, compaction and shrinking batches, the fast step's
     log-probabilities, on the fast encoder's output, stay within a tenth of the guard's margin
-    of fairseq's module path on fairseq's encoder, with either kernel for the products and with
-    the one measured faster per row count."""
+    of fairseq's module path on fairseq's encoder, with each kernel for the products (the
+    output projection's included) and with the one measured fastest per row count."""
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=31, **overrides)
     sample = random_batch(d, [4, 9, 1, 15, 6, 3, 22, 2], seed=7)
     fast = block_decoder_for(model.decoder, fast=True)
     assert isinstance(fast, FastBlockDecoder)
-    if onednn is not None:
-        if onednn and not packs_on_onednn():
-            pytest.skip("this torch has no oneDNN packed product")
-        fast.kernels.pin(onednn)
+    if kernel == ONEDNN and not packs_on_onednn():
+        pytest.skip("this torch has no oneDNN packed product")
+    if kernel == NATIVE and native_kernel() is None:
+        pytest.skip("no native kernel here: %s" % native_unavailable_reason())
+    if kernel is not None:
+        fast.pin_kernel(kernel)
     module = BlockDecoder(model.decoder)
     worst = 0.0
     encode = FastEncoder(model.encoder, fast.kernels)
@@ -170,37 +175,47 @@ def test_fast_step_only_where_it_computes_fairseqs_function():
 
 
 def test_products_agree_across_kernels_and_the_choice_follows_the_thread_count():
-    """Both kernels compute x W^T + b (ReLU fused or not) within float32 rounding; the kernel
-    choice is measured per row-count regime, without moving the global random state, and again
-    when the thread count changes, never once pinned."""
+    """Every kernel computes x W^T + b (+ a residual, ReLU fused or not) within float32
+    rounding, at every row count the native kernel unrolls and past a ragged last panel; the
+    kernel choice is measured per row-count regime among the kernels that run here, without
+    moving the global random state, and again when the thread count changes, never once
+    pinned."""
     g = torch.Generator().manual_seed(3)
-    weight, bias = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    weight, bias = torch.randn(40, 16, generator=g), torch.randn(40, generator=g)
     for relu in (False, True):
         linear = Linear(weight, bias, relu=relu)
-        for rows in (1, 5, 40):
+        assert set(linear.kernels()) == {MKL} | ({ONEDNN} if packs_on_onednn() else set()) | (
+            {NATIVE} if native_kernel() is not None else set())
+        for rows in (1, 2, 3, 5, 8, 13, 40):
             x = torch.randn(rows, 16, generator=g)
+            residual = torch.randn(rows, 40, generator=g)
             expected = torch.nn.functional.linear(x, weight, bias)
-            if relu:
-                expected = expected.relu()
-            for onednn in (False, True):
-                assert torch.allclose(linear(x, onednn), expected, atol=1e-5)
+            for kernel in KERNELS:
+                if relu:
+                    assert torch.allclose(linear(x, kernel), expected.relu(), atol=1e-5)
+                    with pytest.raises(ValueError):
+                        linear(x, kernel, add=residual)
+                else:
+                    assert torch.allclose(linear(x, kernel), expected, atol=1e-5)
+                    assert torch.allclose(linear(x, kernel, add=residual), expected + residual,
+                                          atol=1e-5)
     choice = KernelChoice()
     assert choice.stale()
-    chain = [[Linear(weight, bias), Linear(torch.randn(16, 24, generator=g), None)]]
+    chain = [[Linear(weight, bias), Linear(torch.randn(16, 40, generator=g), None)]]
     rng = torch.get_rng_state()
     choice.measure(chain, rounds=1, calls=1)
     assert torch.equal(torch.get_rng_state(), rng)  # --sampling's draws stay fairseq's
     assert not choice.stale()
-    assert {choice.onednn_for(rows) for rows in (1, 8, 100)} <= {False, True}
-    if not packs_on_onednn():
-        assert not any(choice.onednn_for(rows) for rows in (1, 8, 100))
+    assert set(choice.chosen()) <= set(chain[0][0].kernels())
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
         assert choice.stale()
-        choice.pin(False)
+        choice.pin(MKL)
         assert not choice.stale()
         choice.measure(chain, rounds=1, calls=1)
-        assert not any(choice.onednn_for(rows) for rows in (1, 8, 100))
+        assert choice.chosen() == (MKL,) * 4
     finally:
         torch.set_num_threads(threads)
+    with pytest.raises(ValueError):
+        choice.pin("blas")

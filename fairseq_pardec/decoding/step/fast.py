@@ -40,6 +40,7 @@ from torch import Tensor
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.block_decoder import keep_bounds
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
+from fairseq_pardec.decoding.step.output_projection import plain_output_projection
 from fairseq_pardec.decoding.step.products import (FeedForward, KernelChoice, Linear,
                                                   query_key_value)
 from fairseq_pardec.models.decoder_inputs import encoder_states, final_features
@@ -150,8 +151,12 @@ class FastBlockDecoder(LeanBlockDecoder):
         super().__init__(decoder)
         self._weights_key = None
         self._layers: List[_Layer] = []
-        # which kernel multiplies how many rows: measured on this decoder (step/products.py)
+        # which kernel multiplies how many rows: measured on this decoder (step/products.py),
+        # for the layers' products and for the output projection apart (another shape)
         self.kernels = KernelChoice()
+        self.projection_kernels = KernelChoice()
+        self._vocab: Optional[Linear] = None
+        self._vocab_key = None
 
     def new_state(self) -> FastCache:
         return FastCache()
@@ -164,9 +169,59 @@ class FastBlockDecoder(LeanBlockDecoder):
             with torch.no_grad():
                 self._layers = [_Layer(layer) for layer in self.layers]
             self._weights_key = key
-        if changed or self.kernels.stale():
-            self.kernels.measure([layer.products() for layer in self._layers], self.logits)
+        vocab = self._vocabulary()
+        if changed or self.kernels.stale() or self.projection_kernels.stale():
+            self._measure_kernels(vocab)
         return self._layers
+
+    def _measure_kernels(self, vocab: Optional[Linear]):
+        chain = [layer.products() for layer in self._layers]
+        rows_of = {}
+
+        def rows(count: int, width: int) -> Tensor:
+            if (count, width) not in rows_of:
+                rows_of[count, width] = torch.zeros(count, width)
+            return rows_of[count, width]
+
+        def project(count: int):
+            if vocab is not None:
+                vocab(rows(count, vocab.in_features),
+                      self.projection_kernels.kernel_for(count))
+
+        def layers(count: int):
+            kernel = self.kernels.kernel_for(count)
+            for layer in chain:
+                for lin in layer:
+                    lin(rows(count, lin.in_features), kernel)
+
+        self.kernels.measure(chain, project)
+        self.projection_kernels.measure([[vocab]] if vocab is not None else [], layers)
+
+    def pin_kernel(self, kernel: str):
+        """Run every product, the projection's included, on ``kernel`` (tests, comparisons)."""
+        self.kernels.pin(kernel)
+        self.projection_kernels.pin(kernel)
+
+    def _vocabulary(self) -> Optional[Linear]:
+        """The output projection as a :class:`Linear` (float32 CPU, plain projection), rebuilt
+        when the weight changed; None where the decoder's own output layer must run."""
+        proj = plain_output_projection(self.decoder)
+        if proj is None or proj.weight.device.type != "cpu" or proj.weight.dtype != torch.float32:
+            return None
+        key = (id(proj), proj.weight.data_ptr(), proj.weight._version)
+        if key != self._vocab_key:
+            with torch.no_grad():
+                self._vocab = Linear(proj.weight, None)
+            self._vocab_key = key
+        return self._vocab
+
+    def logits(self, features: Tensor) -> Tensor:
+        """The output layer, on the kernel measured fastest for the projection at this many
+        rows (an output layer replaced after this step was built is honoured)."""
+        vocab = self._vocabulary()
+        if vocab is None or features.dim() != 2 or features.dtype != torch.float32:
+            return super().logits(features)
+        return vocab(features, self.projection_kernels.kernel_for(features.size(0)))
 
     # ------------------------------------------------------------------ forward
     def _start(self, cache: FastCache, encoder_out, bsz: int, device, dtype):
@@ -251,7 +306,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         x = x.reshape(length * bsz, -1)
         if not layout.dense:
             x = x.index_select(0, layout.index)
-        onednn = self.kernels.onednn_for(x.size(0))
+        kernel = self.kernels.kernel_for(x.size(0))
 
         first = cache.length
         total = first + length
@@ -266,25 +321,25 @@ class FastBlockDecoder(LeanBlockDecoder):
             residual = x
             if layer.pre_norm:
                 x = norm_attn(x)
-            qkv = grid(layer.qkv(x, onednn)).view(length, bsz, 3, heads, head_dim)
+            qkv = grid(layer.qkv(x, kernel)).view(length, bsz, 3, heads, head_dim)
             cache.keys[i][:, :, first:total] = qkv[:, :, 1].permute(1, 2, 0, 3)
             cache.values[i][:, :, first:total] = qkv[:, :, 2].permute(1, 2, 0, 3)
             q = qkv[:, :, 0].permute(1, 2, 0, 3)
             out = _attention(q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total], mask)
-            x = layer.out(self._pack(out, layout), onednn).add_(residual)
+            x = layer.out(self._pack(out, layout), kernel, add=residual)
             if not layer.pre_norm:
                 x = norm_attn(x)
             # encoder attention over keys and values projected once per batch
             residual = x
             if layer.pre_norm:
                 x = norm_cross(x)
-            q = grid(layer.cross_q(x, onednn)).view(
+            q = grid(layer.cross_q(x, kernel)).view(
                 length, bsz, layer.cross_heads, layer.cross_head_dim).permute(1, 2, 0, 3)
             out = _attention(q, cache.enc_keys[i], cache.enc_values[i], enc_mask)
-            x = layer.cross_out(self._pack(out, layout), onednn).add_(residual)
+            x = layer.cross_out(self._pack(out, layout), kernel, add=residual)
             if not layer.pre_norm:
                 x = norm_cross(x)
-            x = layer.ffn(x, onednn)
+            x = layer.ffn(x, kernel)
         cache.length = total
         return final_features(dec, x, time_major=False)
 

@@ -109,20 +109,20 @@ class FastEncoder:
         # attention reads every real key; None lets the kernel skip the mask
         attend = (~padding).view(bsz, 1, 1, length) if has_pads else None
         x = x.reshape(bsz * length, dim)
-        onednn = self.kernels.onednn_for(x.size(0))
+        kernel = self.kernels.kernel_for(x.size(0))
         for layer in layers:
             norm_attn = layer.norm_attn
             residual = x
             if layer.pre_norm:
                 x = norm_attn(x)
-            qkv = layer.qkv(x, onednn).view(bsz, length, 3, layer.heads, layer.head_dim)
+            qkv = layer.qkv(x, kernel).view(bsz, length, 3, layer.heads, layer.head_dim)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, S, head_dim)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=1.0)
             out = out.permute(0, 2, 1, 3).reshape(bsz * length, dim)
-            x = layer.out(out, onednn).add_(residual)
+            x = layer.out(out, kernel, add=residual)
             if not layer.pre_norm:
                 x = norm_attn(x)
-            x = layer.ffn(x, onednn)
+            x = layer.ffn(x, kernel)
         if enc.layer_norm is not None:
             x = enc.layer_norm(x)
         states = x.view(bsz, length, dim).transpose(0, 1).contiguous()  # (S, B, C), as fairseq

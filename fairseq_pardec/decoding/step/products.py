@@ -1,32 +1,40 @@
 """The fast step's linear maps, and which CPU kernel multiplies how many rows.
 
-Two kernels compute ``x W^T + b`` for the fast step: MKL's ``addmm`` on a transposed copy of the
-weight, and oneDNN's product with the weight packed once into its blocked layout. Which is faster
-depends on the machine, the thread count and the number of rows, and not by a little: on an AMD
-EPYC with two threads oneDNN ran a d256 decoder's chain of products 1.6x faster at one row and
-2.9x faster at eight, while with one thread ``addmm`` was 1.3x faster at one row
-(docs/results.md, "The fast step's products"; ``examples/decoder_products_cost.py``). So
-:class:`KernelChoice` measures both on the decoder's own weights, once per thread count, for
-one row, a few rows and many (the three regimes of decoding: batch-1 steps, batch-1 blocks,
-batches), and each call takes the kernel measured faster for its row count.
+Three kernels compute ``x W^T + b`` for the fast step: MKL's ``addmm`` on a transposed copy of
+the weight, oneDNN's product with the weight packed once into its blocked layout, and the
+project's native kernel (native_linear.c: the weight in panels, streamed once per call, with
+no library around it). Which is fastest depends on the machine, the thread count and the
+number of rows, and not by a little: on an AMD EPYC with two threads oneDNN ran a d256
+decoder's chain of products 1.6x faster than ``addmm`` at one row and 2.9x faster at eight
+(docs/results.md, "The fast step's products"; ``examples/decoder_products_cost.py``), and the
+native kernel halved oneDNN's time inside a step at one row (docs/results.md, "A native
+product kernel"), while for a hundred rows and more oneDNN is the fastest. So
+:class:`KernelChoice` measures each kernel on the decoder's own weights, once per thread count,
+for one row, a few rows, a batch's step and a batch's block, and each call takes the kernel
+measured fastest for its row count.
 
-Both kernels round differently from fairseq's ``F.linear`` (about 1e-6 in float32); the margin
-guard covers either (fast.py, DEFAULT_MARGIN; tests/test_fast_step.py runs both).
+All three round differently from fairseq's ``F.linear`` (about 1e-6 in float32); the margin
+guard covers each (fast.py, DEFAULT_MARGIN; tests/test_fast_step.py runs every kernel).
 """
 
 import statistics
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fairseq_pardec.decoding.step.native import native_kernel
 from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
 
-# rows 1 | 2..16 | more, and the row count measured for each
-_BUCKET_LIMITS = (1, 16)
-_PROBE_ROWS = (1, 8, 64)
+# rows 1 | 2..16 | 17..64 | more, and the row count measured for each: a batch-1 step, a
+# batch-1 block, a batch's step, a batch's block (or an encoder)
+_BUCKET_LIMITS = (1, 16, 64)
+_PROBE_ROWS = (1, 8, 32, 256)
+
+MKL, ONEDNN, NATIVE = "mkl", "onednn", "native"
+KERNELS = (MKL, ONEDNN, NATIVE)
 
 
 def _bucket(rows: int) -> int:
@@ -34,31 +42,46 @@ def _bucket(rows: int) -> int:
 
 
 class Linear:
-    """``x -> x W^T + b`` on 2-D rows, optionally followed by a ReLU (fused into oneDNN's
-    product), with the weight kept in both kernels' layouts."""
+    """``x -> x W^T + b`` on 2-D rows, optionally followed by a ReLU (fused into oneDNN's and
+    the native product), with the weight kept in each available kernel's layout."""
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], relu: bool = False):
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.relu = relu
+        self.out_features = weight.size(0)
         self.transposed = weight.t().contiguous()
+        cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-                       if packs_on_onednn() and weight.device.type == "cpu"
-                       and weight.dtype == torch.float32 else None)
+                       if cpu32 and packs_on_onednn() else None)
+        self.native = native_kernel() if cpu32 else None
+        self.panels = None if self.native is None else self.native.pack(weight)
 
     @property
     def in_features(self) -> int:
         return self.transposed.size(0)
 
-    def __call__(self, x: Tensor, onednn: bool) -> Tensor:
-        if onednn and self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(
+    def kernels(self) -> Tuple[str, ...]:
+        """The kernels that can run this map here."""
+        return tuple(k for k, ok in ((MKL, True), (ONEDNN, self.packed is not None),
+                                     (NATIVE, self.panels is not None)) if ok)
+
+    def __call__(self, x: Tensor, kernel: str, add: Optional[Tensor] = None) -> Tensor:
+        """The product on ``kernel`` (MKL where that one cannot run), plus ``add`` (a residual,
+        added after the bias; only for maps without ReLU)."""
+        if self.relu and add is not None:
+            raise ValueError("a residual is added after a product, not after its ReLU")
+        if kernel == NATIVE and self.panels is not None:
+            return self.native.linear(x, self.panels, self.out_features, self.bias, add, self.relu)
+        if kernel == ONEDNN and self.packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, self.bias, "relu" if self.relu else "none", [], "")
-        if self.bias is not None:
-            out = torch.addmm(self.bias, x, self.transposed)
         else:
-            out = x @ self.transposed
-        return out.relu_() if self.relu else out
+            out = x @ self.transposed if self.bias is None else torch.addmm(
+                self.bias, x, self.transposed)
+            if self.relu:
+                out.relu_()
+        return out if add is None else out.add_(add)
 
 
 def query_key_value(attn) -> Linear:
@@ -82,75 +105,81 @@ class FeedForward:
         self.norm = layer.final_layer_norm
         self.pre_norm = layer.normalize_before
 
-    def __call__(self, x: Tensor, onednn: bool) -> Tensor:
+    def __call__(self, x: Tensor, kernel: str) -> Tensor:
         residual = x
         if self.pre_norm:
             x = self.norm(x)
-        hidden = self.fc1(x, onednn)
+        hidden = self.fc1(x, kernel)
         if self.activation is not None:
             hidden = self.activation(hidden)
-        x = self.fc2(hidden, onednn).add_(residual)
+        x = self.fc2(hidden, kernel, add=residual)
         return x if self.pre_norm else self.norm(x)
 
 
 class KernelChoice:
-    """Per row-count regime, whether oneDNN's packed product is the faster kernel for a chain
-    of :class:`Linear` maps on this machine; measured when first asked and again when the thread
-    count changes."""
+    """Per row-count regime, which kernel runs a chain of :class:`Linear` maps fastest on this
+    machine; measured when first asked and again when the thread count changes."""
 
     def __init__(self):
         self._threads: Optional[int] = None
-        self._onednn: Sequence[bool] = (False,) * len(_PROBE_ROWS)
+        self._kernels: Sequence[str] = (MKL,) * len(_PROBE_ROWS)
         self._pinned = False
 
-    def pin(self, onednn: bool):
+    def pin(self, kernel: str):
         """Use one kernel for every row count from now on, measuring nothing (tests, and
         anyone comparing the kernels)."""
-        self._onednn = (onednn,) * len(_PROBE_ROWS)
+        if kernel not in KERNELS:
+            raise ValueError("unknown product kernel %r (one of %s)" % (kernel, ", ".join(KERNELS)))
+        self._kernels = (kernel,) * len(_PROBE_ROWS)
         self._pinned = True
 
-    def measure(self, chain: List[List[Linear]], between: Optional[Callable[[Tensor], object]] = None,
+    def measure(self, chain: List[List[Linear]], between: Optional[Callable[[int], object]] = None,
                 rounds: int = 3, calls: int = 3):
         """Time ``chain`` (per layer, its maps in the order a step calls them) with each kernel,
-        alternating, for each probe row count. ``between``: what a step runs after the chain
-        (the output projection), so that the weights leave the caches as they do in decoding."""
+        alternating, for each probe row count. ``between(rows)``: what a step runs besides the
+        chain (the output projection), so that the weights leave the caches as they do in
+        decoding."""
         if self._pinned:
             return
         self._threads = torch.get_num_threads()
-        if not chain or not any(lin.packed is not None for layer in chain for lin in layer):
-            self._onednn = (False,) * len(_PROBE_ROWS)
+        maps = [lin for layer in chain for lin in layer]
+        kernels = [k for k in KERNELS if maps and all(k in lin.kernels() for lin in maps)]
+        if len(kernels) < 2:
+            self._kernels = (kernels[0] if kernels else MKL,) * len(_PROBE_ROWS)
             return
-        width = chain[0][0].in_features
         # a generator of its own: measuring must not move the global random state (--sampling)
         noise = torch.Generator().manual_seed(0)
         choice = []
         with torch.no_grad():
             for rows in _PROBE_ROWS:
                 inputs = {lin.in_features: torch.randn(rows, lin.in_features, generator=noise)
-                          for layer in chain for lin in layer}
+                          for lin in maps}
 
-                def run(onednn: bool):
-                    for layer in chain:
-                        for lin in layer:
-                            lin(inputs[lin.in_features], onednn)
+                def run(kernel: str):
+                    for lin in maps:
+                        lin(inputs[lin.in_features], kernel)
                     if between is not None:
-                        between(inputs[width])
+                        between(rows)
 
-                times = {False: [], True: []}
-                for onednn in (False, True):
-                    run(onednn)  # warm-up
+                times = {kernel: [] for kernel in kernels}
+                for kernel in kernels:
+                    run(kernel)  # warm-up
                 for _ in range(rounds):
-                    for onednn in (False, True):
+                    for kernel in kernels:
                         for _ in range(calls):
                             start = time.perf_counter()
-                            run(onednn)
-                            times[onednn].append(time.perf_counter() - start)
-                choice.append(statistics.median(times[True]) < statistics.median(times[False]))
-        self._onednn = tuple(choice)
+                            run(kernel)
+                            times[kernel].append(time.perf_counter() - start)
+                choice.append(min(kernels, key=lambda k: statistics.median(times[k])))
+        self._kernels = tuple(choice)
 
     def stale(self) -> bool:
         """True when the choice must be measured (first use, or another thread count)."""
         return not self._pinned and self._threads != torch.get_num_threads()
 
-    def onednn_for(self, rows: int) -> bool:
-        return self._onednn[_bucket(rows)]
+    def kernel_for(self, rows: int) -> str:
+        return self._kernels[_bucket(rows)]
+
+    def chosen(self) -> Tuple[str, ...]:
+        """The kernel per regime: one row, 2-16 rows, 17-64 rows, more."""
+        return tuple(self._kernels)

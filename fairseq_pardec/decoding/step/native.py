@@ -1,0 +1,148 @@
+"""The native product kernel (native_linear.c): built on first use, loaded with ctypes.
+
+The fast step multiplies one to a few rows per product at batch 1, where the weight's read is
+the whole cost and the library kernels' own overhead per call is larger than the read (see
+native_linear.c). The kernel is a small C file compiled here with the machine's C compiler
+(``$CC``, else ``cc`` or ``gcc``) and ``-O3 -march=native -fopenmp``, once per source, compiler
+and CPU: the library is cached under ``$FAIRSEQ_PARDEC_CACHE`` (default
+``~/.cache/fairseq_pardec``), written under a temporary name and renamed, so that processes
+decoding side by side never load a half-written file.
+
+Where there is no compiler, the build fails, or the built kernel miscomputes a test product,
+:func:`native_kernel` returns None and says why in :func:`native_unavailable_reason`; the fast
+step then uses the library kernels (products.py), as it does with ``FAIRSEQ_PARDEC_NATIVE=0``.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_linear.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+_kernel = None
+_reason: Optional[str] = None
+_tried = False
+
+
+class NativeKernel:
+    """``linear`` over weights stored by ``pack`` (the panel layout of native_linear.c)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._linear = library.pardec_linear
+        self._linear.restype = None
+        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        library.pardec_panel_width.restype = ctypes.c_int
+        self.panel = library.pardec_panel_width()
+
+    def pack(self, weight: Tensor) -> Tensor:
+        """(N, K) weight -> (ceil(N / panel), K, panel) panels, columns past N zero."""
+        rows, width = weight.shape
+        count = -(-rows // self.panel)
+        padded = weight.new_zeros(count * self.panel, width)
+        padded[:rows] = weight
+        return padded.view(count, self.panel, width).transpose(1, 2).contiguous()
+
+    def linear(self, x: Tensor, panels: Tensor, out_features: int, bias: Optional[Tensor] = None,
+               add: Optional[Tensor] = None, relu: bool = False) -> Tensor:
+        """(M, K) float32 rows -> (M, out_features): ``x W^T + bias + add``, then ReLU.
+        ``add`` (M, out_features) is read before the output is written; it may not be it."""
+        x = x.contiguous()
+        rows = x.size(0)
+        out = torch.empty(rows, out_features, dtype=x.dtype)
+        if add is not None:
+            add = add.contiguous()
+        self._linear(x.data_ptr(), rows, x.size(1), panels.data_ptr(),
+                     None if bias is None else bias.data_ptr(),
+                     None if add is None else add.data_ptr(),
+                     out.data_ptr(), out_features, int(relu), torch.get_num_threads())
+        return out
+
+
+def _library_path(compiler: str) -> Path:
+    """Where the build for this source, compiler and CPU lives."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = "".join(line for line in info if line.startswith(("flags", "model name")))
+    except OSError:
+        pass
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, cpu])
+                            .encode()).hexdigest()[:16]
+    root = Path(os.environ.get("FAIRSEQ_PARDEC_CACHE",
+                               Path.home() / ".cache" / "fairseq_pardec"))
+    return root / ("native_linear-%s.so" % digest)
+
+
+def _build() -> NativeKernel:
+    compiler = next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)),
+                    None)
+    if compiler is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    path = _library_path(compiler)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+            built = Path(scratch) / path.name
+            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
+                                    capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                raise RuntimeError("%s failed: %s" % (compiler, result.stderr.strip()[-500:]))
+            os.replace(built, path)
+    # torch is imported, so the OpenMP runtime the library needs is torch's, already loaded
+    kernel = NativeKernel(ctypes.CDLL(str(path)))
+    _check(kernel)
+    return kernel
+
+
+def _check(kernel: NativeKernel):
+    """A product with ragged panels, every row count the kernel unrolls, bias, residual and
+    ReLU, against torch's."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(2 * kernel.panel + 5, 37, generator=g)
+    bias = torch.randn(weight.size(0), generator=g)
+    panels = kernel.pack(weight)
+    for rows in (1, 2, 3, 7, 8, 19):
+        x = torch.randn(rows, weight.size(1), generator=g)
+        add = torch.randn(rows, weight.size(0), generator=g)
+        got = kernel.linear(x, panels, weight.size(0), bias, add, relu=True)
+        want = (x.double() @ weight.double().t() + bias.double() + add.double()).relu().float()
+        if not torch.allclose(got, want, atol=1e-4, rtol=1e-5):
+            raise RuntimeError("the built kernel miscomputes a test product")
+
+
+def native_kernel() -> Optional[NativeKernel]:
+    """The kernel, built and checked on first call; None where it cannot run here."""
+    global _kernel, _reason, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("FAIRSEQ_PARDEC_NATIVE", "1") == "0":
+            _reason = "FAIRSEQ_PARDEC_NATIVE=0"
+        else:
+            try:
+                _kernel = _build()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                _reason = str(error)
+                logger.warning("native product kernel unavailable (%s); the fast step uses "
+                               "the library kernels", _reason)
+    return _kernel
+
+
+def native_unavailable_reason() -> Optional[str]:
+    """Why :func:`native_kernel` is None (None while it is available or not yet tried)."""
+    return _reason

@@ -1,0 +1,80 @@
+/* y = x W^T + b (+ add) (then ReLU), float32, for the few rows a decoding step multiplies.
+ *
+ * At one to a few rows a decoder's products are bound by reading the weight, and what the
+ * library kernels add around that read (oneDNN's primitive lookup, MKL's dispatch: 10-20 us a
+ * call on a 2-core AMD EPYC) costs more than the read of a d256 layer's weights. This kernel is
+ * the read and nothing else: the weight is stored once in panels of PANEL columns, each panel
+ * its K rows of PANEL contiguous floats, so every call streams memory in order; each panel
+ * keeps up to 8 rows' sums in registers; the panels are shared among the OpenMP threads (the
+ * library is linked against the OpenMP runtime torch has loaded, so it uses torch's threads).
+ *
+ * Each output sums its K products in order k = 0 .. K-1 (fused multiply-add where the machine
+ * has it): another rounding than MKL's or oneDNN's, by about 1e-6 relative in float32, which
+ * the fast step's margin guard covers (fast.py, DEFAULT_MARGIN). Built with -march=native on
+ * the machine that runs it (native.py).
+ */
+
+#include <stdint.h>
+
+#define PANEL 32
+
+int pardec_panel_width(void) { return PANEL; }
+
+#define PANEL_KERNEL(ROWS)                                                                     \
+    static void panel_##ROWS(const float *x, int64_t K, const float *panel, float *acc) {      \
+        float sum[ROWS][PANEL];                                                                \
+        for (int m = 0; m < ROWS; m++)                                                         \
+            for (int j = 0; j < PANEL; j++) sum[m][j] = 0.f;                                   \
+        for (int64_t k = 0; k < K; k++) {                                                      \
+            const float *w = panel + k * PANEL;                                                \
+            for (int m = 0; m < ROWS; m++) {                                                   \
+                const float xk = x[m * K + k];                                                 \
+                for (int j = 0; j < PANEL; j++) sum[m][j] += xk * w[j];                        \
+            }                                                                                  \
+        }                                                                                      \
+        for (int m = 0; m < ROWS; m++)                                                         \
+            for (int j = 0; j < PANEL; j++) acc[m * PANEL + j] = sum[m][j];                    \
+    }
+
+PANEL_KERNEL(1)
+PANEL_KERNEL(2)
+PANEL_KERNEL(4)
+PANEL_KERNEL(8)
+
+/* x: (M, K) rows, contiguous; panels: ceil(N / PANEL) panels of (K, PANEL), the columns past N
+ * zero; bias: (N,) or NULL; add: (M, N) contiguous or NULL (a residual added after the bias);
+ * y: (M, N) contiguous, written. */
+void pardec_linear(const float *x, int64_t M, int64_t K, const float *panels, const float *bias,
+                   const float *add, float *y, int64_t N, int relu, int threads) {
+    const int64_t count = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && count > 1)
+    for (int64_t p = 0; p < count; p++) {
+        float acc[8 * PANEL];
+        const float *panel = panels + p * K * PANEL;
+        const int64_t first = p * PANEL;
+        const int64_t width = N - first < PANEL ? N - first : PANEL;
+        for (int64_t m0 = 0; m0 < M;) {
+            const int64_t left = M - m0;
+            const int rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            const float *xm = x + m0 * K;
+            switch (rows) {
+                case 8: panel_8(xm, K, panel, acc); break;
+                case 4: panel_4(xm, K, panel, acc); break;
+                case 2: panel_2(xm, K, panel, acc); break;
+                default: panel_1(xm, K, panel, acc);
+            }
+            for (int m = 0; m < rows; m++) {
+                float *out = y + (m0 + m) * N + first;
+                const float *extra = add ? add + (m0 + m) * N + first : 0;
+                for (int64_t j = 0; j < width; j++) {
+                    float v = acc[m * PANEL + j];
+                    if (bias) v += bias[first + j];
+                    if (extra) v += extra[j];
+                    if (relu && v < 0.f) v = 0.f;
+                    out[j] = v;
+                }
+            }
+            m0 += rows;
+        }
+    }
+}
