@@ -2,6 +2,7 @@
 replaced by the library kernels (never an error) where it cannot be built."""
 
 import os
+import platform
 import shutil
 import stat
 
@@ -72,3 +73,21 @@ def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
     assert native.native_kernel() is None
     assert "out of luck" in native.native_unavailable_reason()
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_another_instruction_set_is_another_build(monkeypatch, tmp_path):
+    """FAIRSEQ_PARDEC_NATIVE_ARCH builds for a named instruction set (the suite's AVX2 pass),
+    cached apart from the machine's own build."""
+    _needs_compiler()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64-v3 is an x86 instruction set")
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.delenv("FAIRSEQ_PARDEC_NATIVE_ARCH", raising=False)
+    assert native.native_kernel() is not None, native.native_unavailable_reason()
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setenv("FAIRSEQ_PARDEC_NATIVE_ARCH", "x86-64-v3")
+    kernel = native.native_kernel()
+    assert kernel is not None, native.native_unavailable_reason()
+    assert len(list(tmp_path.glob("native_linear-*.so"))) == 2
+    x, weight = torch.randn(3, 9), torch.randn(40, 9)
+    assert torch.allclose(kernel.linear(x, kernel.pack(weight), 40), x @ weight.t(), atol=1e-5)
