@@ -12,7 +12,7 @@ setup(
     description="Blockwise, aggressive (IAD/GAD) and interleaved bidirectional decoding for fairseq",
     packages=find_packages(include=["fairseq_pardec", "fairseq_pardec.*"]),
     # the native product kernel's source, compiled on first use (decoding/step/native.py)
-    package_data={"fairseq_pardec.decoding.step": ["native_linear.c"]},
+    package_data={"fairseq_pardec.decoding.step": ["native_linear.c", "native_layers.c"]},
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.6,<3",

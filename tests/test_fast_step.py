@@ -33,13 +33,17 @@ def _log_probs(blocks, features):
 
 @pytest.mark.parametrize("overrides", ARCHITECTURES)
 @pytest.mark.parametrize("ragged", [False, True])
-@pytest.mark.parametrize("kernel", [MKL, ONEDNN, NATIVE, None],
-                         ids=["addmm", "onednn", "native", "measured"])
+@pytest.mark.parametrize("kernel", [MKL, ONEDNN, NATIVE, "native products", None],
+                         ids=["addmm", "onednn", "native", "native-products", "measured"])
 def test_fast_log_probs_within_the_guards_bound(overrides, ragged, kernel):
     """Through blocks, rollback holes, compaction and shrinking batches, the fast step's
     log-probabilities, on the fast encoder's output, stay within a tenth of the guard's margin
     of fairseq's module path on fairseq's encoder, with each kernel for the products (the
-    output projection's included) and with the one measured fastest per row count."""
+    output projection's included) and with the one measured fastest per row count. On the
+    native kernel the layers run as one native call (layer_stack.py), or, with that call
+    turned off, as torch operations around native products."""
+    stack = kernel != "native products"
+    kernel = NATIVE if kernel == "native products" else kernel
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=31, **overrides)
     sample = random_batch(d, [4, 9, 1, 15, 6, 3, 22, 2], seed=7)
@@ -51,6 +55,7 @@ def test_fast_log_probs_within_the_guards_bound(overrides, ragged, kernel):
         pytest.skip("no native kernel here: %s" % native_unavailable_reason())
     if kernel is not None:
         fast.pin_kernel(kernel)
+    fast.native_stack = stack
     module = BlockDecoder(model.decoder)
     worst = 0.0
     encode = FastEncoder(model.encoder, fast.kernels)
@@ -58,6 +63,8 @@ def test_fast_log_probs_within_the_guards_bound(overrides, ragged, kernel):
                     _drive(module, model, sample, seed=5, ragged=ragged)):
         worst = max(worst, float((_log_probs(fast, x) - _log_probs(module, y)).abs().max()))
     assert worst < DEFAULT_MARGIN / 10
+    if kernel == NATIVE:
+        assert fast._stack is not None  # these layers are ones the native call computes
 
 
 @pytest.mark.parametrize("overrides", ARCHITECTURES)

@@ -39,9 +39,10 @@ from torch import Tensor
 
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.block_decoder import keep_bounds
+from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 from fairseq_pardec.decoding.step.output_projection import plain_output_projection
-from fairseq_pardec.decoding.step.products import (FeedForward, KernelChoice, Linear,
+from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
                                                   query_key_value)
 from fairseq_pardec.models.decoder_inputs import encoder_states, final_features
 
@@ -157,6 +158,9 @@ class FastBlockDecoder(LeanBlockDecoder):
         self.projection_kernels = KernelChoice()
         self._vocab: Optional[Linear] = None
         self._vocab_key = None
+        # the layers as one native call, where native_layers.c computes them (layer_stack.py)
+        self._stack: Optional[NativeLayerStack] = None
+        self.native_stack = True
 
     def new_state(self) -> FastCache:
         return FastCache()
@@ -168,6 +172,9 @@ class FastBlockDecoder(LeanBlockDecoder):
         if changed:
             with torch.no_grad():
                 self._layers = [_Layer(layer) for layer in self.layers]
+                self._stack = None
+                if NativeLayerStack.supports(self._layers):
+                    self._stack = NativeLayerStack(self._layers[0].qkv.native, self._layers)
             self._weights_key = key
         vocab = self._vocabulary()
         if changed or self.kernels.stale() or self.projection_kernels.stale():
@@ -261,15 +268,21 @@ class FastBlockDecoder(LeanBlockDecoder):
             masked[:, : cache.length] = cache.masked[:, : cache.length]
             cache.masked = masked
 
+    @staticmethod
+    def _mark_block(cache: FastCache, layout: BlockLayout, length: int):
+        """Mark the padding of a ragged block in ``cache.masked`` (kept as None while no row
+        has a masked entry)."""
+        if not layout.dense or cache.masked is not None:
+            if cache.masked is None:
+                cache.masked = layout.block_pad.new_zeros(cache.batch, cache.capacity)
+            cache.masked[:, cache.length: cache.length + length] = layout.block_pad
+
     def _self_mask(self, cache: FastCache, layout: BlockLayout, length: int,
                    block_mask: Optional[Tensor]) -> Optional[Tensor]:
         """(B or 1, 1, L, T + L) True where a query may attend, or None for "everything"."""
         first = cache.length
         block_pad = layout.block_pad
-        if not layout.dense or cache.masked is not None:
-            if cache.masked is None:
-                cache.masked = block_pad.new_zeros(cache.batch, cache.capacity)
-            cache.masked[:, first: first + length] = block_pad
+        self._mark_block(cache, layout, length)
         total = first + length
         device = block_pad.device
         inside = None
@@ -311,6 +324,12 @@ class FastBlockDecoder(LeanBlockDecoder):
         first = cache.length
         total = first + length
         self._reserve(cache, total)
+        if (self._stack is not None and self.native_stack and kernel == NATIVE
+                and block_mask is None):
+            self._mark_block(cache, layout, length)
+            x = self._stack(x, cache, layout.index, bsz, first, length)
+            cache.length = total
+            return final_features(dec, x, time_major=False)
         mask = _additive(self._self_mask(cache, layout, length, block_mask))
         enc_mask = _additive(cache.enc_attend)
         grid = layout.unpack_time_major

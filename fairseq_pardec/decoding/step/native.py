@@ -1,8 +1,9 @@
-"""The native product kernel (native_linear.c): built on first use, loaded with ctypes.
+"""The native kernels (native_linear.c, native_layers.c): built on first use, loaded with ctypes.
 
 The fast step multiplies one to a few rows per product at batch 1, where the weight's read is
 the whole cost and the library kernels' own overhead per call is larger than the read (see
-native_linear.c). The kernel is a small C file compiled here with the machine's C compiler
+native_linear.c); at batch 1 the rest of a decoder layer is dispatch, which native_layers.c
+runs without (a whole call's layer stack in one native call). The kernels are small C files compiled here with the machine's C compiler
 (``$CC``, else ``cc`` or ``gcc``) and ``-O3 -march=native -fopenmp``, once per source, compiler
 and CPU: the library is cached under ``$FAIRSEQ_PARDEC_CACHE`` (default
 ``~/.cache/fairseq_pardec``), written under a temporary name and renamed, so that processes
@@ -28,7 +29,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_linear.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("native_linear.c", "native_layers.c")]
 # -march: the machine's own instruction set unless FAIRSEQ_PARDEC_NATIVE_ARCH names another (the
 # test suite's AVX2 pass builds for x86-64-v3, as it caps torch's kernels at AVX2)
 ARCH_VARIABLE = "FAIRSEQ_PARDEC_NATIVE_ARCH"
@@ -37,6 +38,11 @@ BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 def _flags():
     return ["-march=" + os.environ.get(ARCH_VARIABLE, "native")] + BASE_FLAGS
+
+# the tables pardec_decoder_layers reads (native_layers.c): dims, per-layer weight pointers,
+# per-layer cache pointers; their sizes, as the library reports them
+LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE = 15, 18, 4
+LAYERS_ABI = LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
 
 _kernel = None
 _reason: Optional[str] = None
@@ -54,6 +60,12 @@ class NativeKernel:
                                  ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         library.pardec_panel_width.restype = ctypes.c_int
         self.panel = library.pardec_panel_width()
+        self.decoder_layers = library.pardec_decoder_layers
+        self.decoder_layers.restype = None
+        self.decoder_layers.argtypes = [ctypes.c_void_p] * 8
+        library.pardec_layers_abi.restype = ctypes.c_int
+        if library.pardec_layers_abi() != LAYERS_ABI:
+            raise RuntimeError("native_layers.c and native.py disagree on the tables' layout")
 
     def pack(self, weight: Tensor) -> Tensor:
         """(N, K) weight -> (ceil(N / panel), K, panel) panels, columns past N zero."""
@@ -89,7 +101,8 @@ def _library_path(compiler: str) -> Path:
             cpu = "".join(line for line in info if line.startswith(("flags", "model name")))
     except OSError:
         pass
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_flags()), version, cpu])
+    sources = [source.read_text() for source in SOURCES]
+    digest = hashlib.sha256("\0".join(sources + [" ".join(_flags()), version, cpu])
                             .encode()).hexdigest()[:16]
     root = Path(os.environ.get("FAIRSEQ_PARDEC_CACHE",
                                Path.home() / ".cache" / "fairseq_pardec"))
@@ -106,7 +119,7 @@ def _build() -> NativeKernel:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
             built = Path(scratch) / path.name
-            result = subprocess.run([compiler, *_flags(), str(SOURCE), "-o", str(built)],
+            result = subprocess.run([compiler, *_flags(), *map(str, SOURCES), "-lm", "-o", str(built)],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 raise RuntimeError("%s failed: %s" % (compiler, result.stderr.strip()[-500:]))

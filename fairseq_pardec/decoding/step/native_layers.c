@@ -1,0 +1,214 @@
+/* A whole decoder call's layers in one native call: a Transformer decoder layer stack (fairseq's
+ * TransformerDecoderLayer, post- or pre-norm, ReLU feed-forward) over the packed rows of a verify
+ * block, on the fast step's static key/value cache (fast.py).
+ *
+ * The fast step in torch issues about thirty operations per layer (norms, views, cache writes,
+ * attention, packing), each a few microseconds of dispatch at batch 1, and the attention kernel
+ * alone cost 20 us for a block of 6 queries over 40 keys (4 heads of 64) where its arithmetic
+ * takes 1 us. Here a layer is its products (pardec_linear, native_linear.c), its layer norms, the
+ * cache writes and the attention, with no dispatch between them.
+ *
+ * Rounding: layer norms accumulate in double; an attention score sums its head_dim products in
+ * SIMD lanes; softmax subtracts the row's maximum and divides the weighted sum of values by the
+ * sum of weights. All of it differs from torch's rounding by about 1e-6 relative in float32, which
+ * the fast step's margin guard covers (fast.py, DEFAULT_MARGIN; tests/test_fast_step.py).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void pardec_linear(const float *x, int64_t M, int64_t K, const float *panels, const float *bias,
+                   const float *add, float *y, int64_t N, int relu, int threads);
+
+/* dims, in this order */
+enum { D_LAYERS, D_ROWS, D_BATCH, D_LENGTH, D_FIRST, D_CAPACITY, D_MODEL, D_HEADS, D_HEAD_DIM,
+       D_CROSS_HEADS, D_CROSS_HEAD_DIM, D_FFN, D_SOURCE, D_PRE_NORM, D_THREADS, D_COUNT };
+
+/* per layer, in this order, in the weights table: panels then bias of each product, then the
+ * weight and bias of each layer norm (self-attention, encoder attention, feed-forward) */
+enum { W_QKV, W_QKV_B, W_OUT, W_OUT_B, W_CQ, W_CQ_B, W_CO, W_CO_B, W_FC1, W_FC1_B, W_FC2,
+       W_FC2_B, W_N0, W_N0_B, W_N1, W_N1_B, W_N2, W_N2_B, W_COUNT };
+
+/* per layer, in the state table: self keys, self values (B, heads, capacity, head_dim), encoder
+ * keys, encoder values (B, cross heads, S, head_dim) */
+enum { S_KEYS, S_VALUES, S_ENC_KEYS, S_ENC_VALUES, S_COUNT };
+
+int pardec_layers_abi(void) { return D_COUNT * 10000 + W_COUNT * 100 + S_COUNT; }
+
+#define PTR(table, i) ((const float *)(intptr_t)(table)[i])
+
+static void layer_norm(float *x, int64_t rows, int64_t width, const float *weight,
+                       const float *bias, double eps) {
+    for (int64_t n = 0; n < rows; n++) {
+        float *row = x + n * width;
+        double sum = 0.0;
+        for (int64_t c = 0; c < width; c++) sum += row[c];
+        const double mean = sum / width;
+        double squares = 0.0;
+        for (int64_t c = 0; c < width; c++) {
+            const double d = row[c] - mean;
+            squares += d * d;
+        }
+        const double inv = 1.0 / sqrt(squares / width + eps);
+        for (int64_t c = 0; c < width; c++)
+            row[c] = (float)((row[c] - mean) * inv) * weight[c] + bias[c];
+    }
+}
+
+/* softmax(q . k_j) v_j over the keys j < count; flags (or NULL: every key) mark the keys to
+ * skip (flags_skip = 1: a nonzero flag skips the key) or to read (flags_skip = 0). q is already
+ * scaled; keys and values are (count, dim) rows; scores: count floats of scratch. */
+static void attend(const float *q, const float *keys, const float *values, int64_t count,
+                   int64_t dim, const uint8_t *flags, int flags_skip, float *scores, float *out) {
+    float best = -INFINITY;
+    for (int64_t j = 0; j < count; j++) {
+        if (flags && ((flags[j] != 0) == flags_skip)) {
+            scores[j] = -INFINITY;
+            continue;
+        }
+        const float *k = keys + j * dim;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < dim; d++) s += q[d] * k[d];
+        scores[j] = s;
+        if (s > best) best = s;
+    }
+    for (int64_t d = 0; d < dim; d++) out[d] = 0.f;
+    float total = 0.f;
+    for (int64_t j = 0; j < count; j++) {
+        if (scores[j] == -INFINITY) continue;
+        const float p = expf(scores[j] - best);
+        total += p;
+        const float *v = values + j * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) out[d] += p * v[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < dim; d++) out[d] *= inv;
+}
+
+/* dims: D_COUNT values (see the enum); weights: W_COUNT pointers per layer; eps: 3 per layer;
+ * state: S_COUNT pointers per layer; index: (rows) the packed rows' places in the time-major
+ * (length, batch) grid, or NULL for a dense block; masked: (batch, capacity) nonzero for cache
+ * entries no query may attend to, or NULL; enc_attend: (batch, S) nonzero for real source
+ * positions, or NULL; x: (rows, model) the layer stack's input, overwritten with its output.
+ * Each row's block entries are written at the cache's [first, first + length). */
+void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const double *eps,
+                           const int64_t *state, const int64_t *index, const uint8_t *masked,
+                           const uint8_t *enc_attend, float *x) {
+    const int64_t layers = dims[D_LAYERS], rows = dims[D_ROWS], batch = dims[D_BATCH];
+    const int64_t first = dims[D_FIRST], capacity = dims[D_CAPACITY], model = dims[D_MODEL];
+    const int64_t heads = dims[D_HEADS], head_dim = dims[D_HEAD_DIM];
+    const int64_t cross_heads = dims[D_CROSS_HEADS], cross_dim = dims[D_CROSS_HEAD_DIM];
+    const int64_t ffn = dims[D_FFN], source = dims[D_SOURCE];
+    const int pre_norm = (int)dims[D_PRE_NORM], threads = (int)dims[D_THREADS];
+    const int64_t self_width = heads * head_dim, cross_width = cross_heads * cross_dim;
+    const int64_t widest = ffn > 3 * self_width ? ffn : 3 * self_width;
+
+    float *normed = malloc(sizeof(float) * rows * model);
+    float *wide = malloc(sizeof(float) * rows * (widest > model ? widest : model));
+    float *attended = malloc(sizeof(float) * rows *
+                             (self_width > cross_width ? self_width : cross_width));
+    float *next = malloc(sizeof(float) * rows * model);
+    int64_t *row_batch = malloc(sizeof(int64_t) * rows), *row_time = malloc(sizeof(int64_t) * rows);
+    for (int64_t n = 0; n < rows; n++) {
+        const int64_t place = index ? index[n] : n;
+        row_time[n] = place / batch;
+        row_batch[n] = place % batch;
+    }
+    const int64_t keys_seen = first + dims[D_LENGTH];
+    /* attention is a few microseconds of arithmetic at batch 1: threads only for batches */
+    const int parallel_attention =
+        threads > 1 && rows * heads * keys_seen * head_dim > (1 << 17);
+
+    for (int64_t i = 0; i < layers; i++) {
+        const int64_t *w = weights + i * W_COUNT;
+        const int64_t *s = state + i * S_COUNT;
+        const double *e = eps + 3 * i;
+        float *cache_keys = (float *)(intptr_t)s[S_KEYS];
+        float *cache_values = (float *)(intptr_t)s[S_VALUES];
+        const float *enc_keys = PTR(s, S_ENC_KEYS), *enc_values = PTR(s, S_ENC_VALUES);
+        float *in;
+
+        /* self-attention: queries, keys, values in one product; the block's keys and values
+         * go to the cache before any query reads it */
+        in = x;
+        if (pre_norm) {
+            memcpy(normed, x, sizeof(float) * rows * model);
+            layer_norm(normed, rows, model, PTR(w, W_N0), PTR(w, W_N0_B), e[0]);
+            in = normed;
+        }
+        pardec_linear(in, rows, model, PTR(w, W_QKV), PTR(w, W_QKV_B), NULL, wide,
+                      3 * self_width, 0, threads);
+        for (int64_t n = 0; n < rows; n++) {
+            const int64_t b = row_batch[n], at = first + row_time[n];
+            const float *row = wide + n * 3 * self_width;
+            for (int64_t h = 0; h < heads; h++) {
+                const int64_t to = ((b * heads + h) * capacity + at) * head_dim;
+                memcpy(cache_keys + to, row + self_width + h * head_dim, sizeof(float) * head_dim);
+                memcpy(cache_values + to, row + 2 * self_width + h * head_dim,
+                       sizeof(float) * head_dim);
+            }
+        }
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel_attention)
+        for (int64_t task = 0; task < rows * heads; task++) {
+            const int64_t n = task / heads, h = task % heads;
+            const int64_t b = row_batch[n], count = first + row_time[n] + 1;
+            float scores[count];
+            const int64_t from = (b * heads + h) * capacity * head_dim;
+            attend(wide + n * 3 * self_width + h * head_dim, cache_keys + from,
+                   cache_values + from, count, head_dim, masked ? masked + b * capacity : NULL, 1,
+                   scores, attended + n * self_width + h * head_dim);
+        }
+        pardec_linear(attended, rows, self_width, PTR(w, W_OUT), PTR(w, W_OUT_B), x, next, model,
+                      0, threads);
+        memcpy(x, next, sizeof(float) * rows * model);
+        if (!pre_norm) layer_norm(x, rows, model, PTR(w, W_N0), PTR(w, W_N0_B), e[0]);
+
+        /* encoder attention over keys and values projected once per batch */
+        in = x;
+        if (pre_norm) {
+            memcpy(normed, x, sizeof(float) * rows * model);
+            layer_norm(normed, rows, model, PTR(w, W_N1), PTR(w, W_N1_B), e[1]);
+            in = normed;
+        }
+        pardec_linear(in, rows, model, PTR(w, W_CQ), PTR(w, W_CQ_B), NULL, wide, cross_width, 0,
+                      threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel_attention)
+        for (int64_t task = 0; task < rows * cross_heads; task++) {
+            const int64_t n = task / cross_heads, h = task % cross_heads;
+            const int64_t b = row_batch[n];
+            float scores[source];
+            const int64_t from = (b * cross_heads + h) * source * cross_dim;
+            attend(wide + n * cross_width + h * cross_dim, enc_keys + from, enc_values + from,
+                   source, cross_dim, enc_attend ? enc_attend + b * source : NULL, 0, scores,
+                   attended + n * cross_width + h * cross_dim);
+        }
+        pardec_linear(attended, rows, cross_width, PTR(w, W_CO), PTR(w, W_CO_B), x, next, model,
+                      0, threads);
+        memcpy(x, next, sizeof(float) * rows * model);
+        if (!pre_norm) layer_norm(x, rows, model, PTR(w, W_N1), PTR(w, W_N1_B), e[1]);
+
+        /* feed-forward, ReLU fused into the first product */
+        in = x;
+        if (pre_norm) {
+            memcpy(normed, x, sizeof(float) * rows * model);
+            layer_norm(normed, rows, model, PTR(w, W_N2), PTR(w, W_N2_B), e[2]);
+            in = normed;
+        }
+        pardec_linear(in, rows, model, PTR(w, W_FC1), PTR(w, W_FC1_B), NULL, wide, ffn, 1,
+                      threads);
+        pardec_linear(wide, rows, ffn, PTR(w, W_FC2), PTR(w, W_FC2_B), x, next, model, 0,
+                      threads);
+        memcpy(x, next, sizeof(float) * rows * model);
+        if (!pre_norm) layer_norm(x, rows, model, PTR(w, W_N2), PTR(w, W_N2_B), e[2]);
+    }
+    free(normed);
+    free(wide);
+    free(attended);
+    free(next);
+    free(row_batch);
+    free(row_time);
+}
