@@ -8,6 +8,8 @@ from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter
 from fairseq_pardec.decoding.draft_verify.host_decisions import decides_on_host
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.draft_verify.acceptance import TopBetaTauAcceptance
+from fairseq_pardec.decoding.step.native import native_kernel
+from fairseq_pardec.decoding.step.products import MKL, NATIVE
 
 from helpers import make_dictionary, make_task, random_batch, tiny_transformer
 from test_beam_one import twin_vocabulary_model
@@ -19,6 +21,10 @@ def _both_paths(make_generator, model, sample, **generate_kwargs):
     for on_host in (True, False):
         generator = make_generator()
         generator.host_decisions = on_host
+        if hasattr(generator.block_decoder, "pin_kernel"):
+            # the two generators must round alike: each would otherwise measure its own choice
+            # of product kernels, which on a tiny model varies from one measurement to the next
+            generator.block_decoder.pin_kernel(NATIVE if native_kernel() is not None else MKL)
         assert decides_on_host(generator, sample["net_input"]["src_tokens"],
                                generate_kwargs.get("prefix_tokens")) == on_host
         results.append((generator.generate([model], sample, **generate_kwargs),

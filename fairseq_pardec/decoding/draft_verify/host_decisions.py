@@ -20,7 +20,7 @@ It serves lossless acceptance without a forced prefix or sampling, on the CPU; e
 takes the tensor path.
 """
 
-from typing import List
+from typing import List, Tuple
 
 import numpy as np
 import torch
@@ -42,6 +42,19 @@ def decides_on_host(generator, src_tokens: Tensor, prefix_tokens) -> bool:
             and generator.vocab_size > 2)
 
 
+def _best_two(block_decoder, lprobs: Tensor) -> Tuple[List[List[float]], List[int]]:
+    """Per packed position the two best log-probabilities and the first token holding the best:
+    one pass of the native kernel where the step has it (native_scores.c), else ``topk``. Only
+    a strict lead is read from the token (equal values are redone as fairseq does, below)."""
+    scores_kernel = getattr(block_decoder, "scores_kernel", None)
+    native = scores_kernel() if scores_kernel is not None else None
+    if native is not None and lprobs.dtype == torch.float32 and lprobs.is_contiguous():
+        values, best = native.best_two(lprobs)
+        return values.tolist(), best.tolist()
+    top = lprobs.topk(2, dim=-1)
+    return top.values.tolist(), top.indices[:, 0].tolist()
+
+
 def _beam_one(lprobs: Tensor, at: int, best: int, first: float, second: float, score):
     """fairseq's choice at packed position ``at`` after a hypothesis of score ``score`` (float32),
     and its log-probability: the best token unless the addition ties the best two."""
@@ -56,9 +69,7 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
                       bos_token) -> Tensor:
     """Steps 3 and 4 of an iteration (engine.py) for every active row. Returns the (B,) bool
     rows that emitted EOS, on the host."""
-    top = lprobs.topk(2, dim=-1)
-    values: List[List[float]] = top.values.tolist()
-    best: List[int] = top.indices[:, 0].tolist()
+    values, best = _best_two(generator.block_decoder, lprobs)
     drafts = block.draft.tolist()
     lengths = block.draft_len.tolist()
     pos = block.layout.pos.tolist()

@@ -230,6 +230,14 @@ class FastBlockDecoder(LeanBlockDecoder):
             return super().logits(features)
         return vocab(features, self.projection_kernels.kernel_for(features.size(0)))
 
+    def scores_kernel(self):
+        """The native kernel for the engine's best two scores per position (native_scores.c), or
+        None (no native kernel, or the products pinned to a library kernel)."""
+        vocab = self._vocabulary()
+        if vocab is None or self.projection_kernels.pinned_to_library():
+            return None
+        return vocab.native
+
     # ------------------------------------------------------------------ forward
     def _start(self, cache: FastCache, encoder_out, bsz: int, device, dtype):
         enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)

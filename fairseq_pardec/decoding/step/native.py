@@ -1,10 +1,12 @@
-"""The native kernels (native_linear.c, native_layers.c): built on first use, loaded with ctypes.
+"""The native kernels (native_linear.c, native_layers.c, native_scores.c): built on first use,
+loaded with ctypes.
 
 The fast step multiplies one to a few rows per product at batch 1, where the weight's read is
 the whole cost and the library kernels' own overhead per call is larger than the read (see
-native_linear.c); at batch 1 the rest of a decoder layer is dispatch, which native_layers.c
-runs without (a whole call's layer stack in one native call). The kernels are small C files compiled here with the machine's C compiler
-(``$CC``, else ``cc`` or ``gcc``) and ``-O3 -march=native -fopenmp``, once per source, compiler
+native_linear.c); the rest of a decoder layer there is dispatch, which native_layers.c runs
+without (a whole call's layer stack in one native call); native_scores.c finds each position's
+best two scores for the engine. The kernels are small C files compiled here with the machine's
+C compiler (``$CC``, else ``cc`` or ``gcc``) and ``-O3 -march=native -fopenmp``, once per source, compiler
 and CPU: the library is cached under ``$FAIRSEQ_PARDEC_CACHE`` (default
 ``~/.cache/fairseq_pardec``), written under a temporary name and renamed, so that processes
 decoding side by side never load a half-written file.
@@ -22,14 +24,15 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("native_linear.c", "native_layers.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("native_linear.c", "native_layers.c", "native_scores.c")]
 # -march: the machine's own instruction set unless FAIRSEQ_PARDEC_NATIVE_ARCH names another (the
 # test suite's AVX2 pass builds for x86-64-v3, as it caps torch's kernels at AVX2)
 ARCH_VARIABLE = "FAIRSEQ_PARDEC_NATIVE_ARCH"
@@ -63,6 +66,10 @@ class NativeKernel:
         self.decoder_layers = library.pardec_decoder_layers
         self.decoder_layers.restype = None
         self.decoder_layers.argtypes = [ctypes.c_void_p] * 8
+        self._best_two = library.pardec_best_two
+        self._best_two.restype = None
+        self._best_two.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         library.pardec_layers_abi.restype = ctypes.c_int
         if library.pardec_layers_abi() != LAYERS_ABI:
             raise RuntimeError("native_layers.c and native.py disagree on the tables' layout")
@@ -89,6 +96,17 @@ class NativeKernel:
                      None if add is None else add.data_ptr(),
                      out.data_ptr(), out_features, int(relu), torch.get_num_threads())
         return out
+
+
+    def best_two(self, scores: Tensor) -> Tuple[Tensor, Tensor]:
+        """(N, V) contiguous float32, V >= 2 -> ((N, 2) the two largest values, largest first;
+        (N,) the first column holding the largest)."""
+        rows, width = scores.shape
+        values = torch.empty(rows, 2)
+        best = torch.empty(rows, dtype=torch.long)
+        self._best_two(scores.data_ptr(), rows, width, values.data_ptr(), best.data_ptr(),
+                       torch.get_num_threads())
+        return values, best
 
 
 def _library_path(compiler: str) -> Path:
@@ -132,7 +150,7 @@ def _build() -> NativeKernel:
 
 def _check(kernel: NativeKernel):
     """A product with ragged panels, every row count the kernel unrolls, bias, residual and
-    ReLU, against torch's."""
+    ReLU, and a top two, against torch's."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(2 * kernel.panel + 5, 37, generator=g)
     bias = torch.randn(weight.size(0), generator=g)
@@ -144,6 +162,11 @@ def _check(kernel: NativeKernel):
         want = (x.double() @ weight.double().t() + bias.double() + add.double()).relu().float()
         if not torch.allclose(got, want, atol=1e-4, rtol=1e-5):
             raise RuntimeError("the built kernel miscomputes a test product")
+    want = torch.log_softmax(torch.randn(3, 1000, generator=g) * 10, dim=-1)
+    values, best = kernel.best_two(want)
+    top = want.topk(2, dim=-1)
+    if not (torch.equal(values, top.values) and torch.equal(best, top.indices[:, 0])):
+        raise RuntimeError("the built kernel miscomputes a test top two")
 
 
 def native_kernel() -> Optional[NativeKernel]:

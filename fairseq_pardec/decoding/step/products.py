@@ -173,6 +173,10 @@ class KernelChoice:
                 choice.append(min(kernels, key=lambda k: statistics.median(times[k])))
         self._kernels = tuple(choice)
 
+    def pinned_to_library(self) -> bool:
+        """True when pinned to a library kernel (MKL or oneDNN): nothing native runs then."""
+        return self._pinned and self._kernels[0] != NATIVE
+
     def stale(self) -> bool:
         """True when the choice must be measured (first use, or another thread count)."""
         return not self._pinned and self._threads != torch.get_num_threads()
