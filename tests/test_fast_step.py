@@ -68,14 +68,22 @@ def test_fast_log_probs_within_the_guards_bound(overrides, ragged, kernel):
 
 
 @pytest.mark.parametrize("overrides", ARCHITECTURES)
-def test_fast_encoder_output_is_fairseqs(overrides):
+@pytest.mark.parametrize("kernel", [None, NATIVE, "native products"],
+                         ids=["measured", "native", "native-products"])
+def test_fast_encoder_output_is_fairseqs(overrides, kernel):
     """The fast encoder's dictionary is fairseq's: the same entries, masks and lengths, states
     within float32 rounding, on padded batches and on one sentence; the engine encodes with it
-    only where it computes fairseq's function."""
+    only where it computes fairseq's function. With the native kernel the layers run as one
+    native call (layer_stack.py), or as torch operations around native products."""
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=34, **overrides)
     assert fast_encoder_supported(model.encoder)
     encode = FastEncoder(model.encoder)
+    if kernel is not None:
+        if native_kernel() is None:
+            pytest.skip("no native kernel here: %s" % native_unavailable_reason())
+        encode.kernels.pin(NATIVE)
+        encode.native_stack = kernel == NATIVE
     for lengths in ([4, 9, 1, 15], [6]):
         net_input = random_batch(d, lengths, seed=3)["net_input"]
         with torch.no_grad():
@@ -90,6 +98,8 @@ def test_fast_encoder_output_is_fairseqs(overrides):
                     assert torch.allclose(e, g, atol=1e-5), key
                 else:
                     assert torch.equal(e, g), key
+    if kernel == NATIVE:
+        assert encode._stack is not None  # these layers are ones the native call computes
     generator = _iad(model, d)
     assert isinstance(generator.encode, FastEncoder)
     model.double()

@@ -25,7 +25,8 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
-from fairseq_pardec.decoding.step.products import (FeedForward, KernelChoice, Linear,
+from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
+from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
                                                   query_key_value)
 
 
@@ -81,12 +82,19 @@ class FastEncoder:
         self.kernels = kernels if kernels is not None else KernelChoice()
         self._key = None
         self._layers: List[_EncoderLayer] = []
+        # the layers as one native call where its products run natively (layer_stack.py)
+        self._stack: Optional[NativeLayerStack] = None
+        self.native_stack = True
 
     def _prepared(self) -> List[_EncoderLayer]:
         key = tuple((p.data_ptr(), p._version) for p in self.encoder.layers.parameters())
         if key != self._key:
             with torch.no_grad():
                 self._layers = [_EncoderLayer(layer) for layer in self.encoder.layers]
+                self._stack = None
+                if NativeLayerStack.supports(self._layers, encoder=True):
+                    self._stack = NativeLayerStack(self._layers[0].qkv.native, self._layers,
+                                                   encoder=True)
             self._key = key
             if self.kernels.stale():
                 self.kernels.measure([[lin for lin in (layer.qkv, layer.out, layer.ffn.fc1, layer.ffn.fc2)]
@@ -106,23 +114,14 @@ class FastEncoder:
         if has_pads:
             x = x * (1 - padding.unsqueeze(-1).type_as(x))
         bsz, length, dim = x.shape
-        # attention reads every real key; None lets the kernel skip the mask
-        attend = (~padding).view(bsz, 1, 1, length) if has_pads else None
         x = x.reshape(bsz * length, dim)
         kernel = self.kernels.kernel_for(x.size(0))
-        for layer in layers:
-            norm_attn = layer.norm_attn
-            residual = x
-            if layer.pre_norm:
-                x = norm_attn(x)
-            qkv = layer.qkv(x, kernel).view(bsz, length, 3, layer.heads, layer.head_dim)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, S, head_dim)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=1.0)
-            out = out.permute(0, 2, 1, 3).reshape(bsz * length, dim)
-            x = layer.out(out, kernel, add=residual)
-            if not layer.pre_norm:
-                x = norm_attn(x)
-            x = layer.ffn(x, kernel)
+        if self._stack is not None and self.native_stack and kernel == NATIVE:
+            x = self._stack.encode(x, padding if has_pads else None, bsz, length)
+        else:
+            # attention reads every real key; None lets the kernel skip the mask
+            attend = (~padding).view(bsz, 1, 1, length) if has_pads else None
+            x = self._torch_layers(x, layers, kernel, attend, bsz, length)
         if enc.layer_norm is not None:
             x = enc.layer_norm(x)
         states = x.view(bsz, length, dim).transpose(0, 1).contiguous()  # (S, B, C), as fairseq
@@ -136,3 +135,23 @@ class FastEncoder:
             "src_tokens": [],
             "src_lengths": [src_lengths],
         }
+
+    @staticmethod
+    def _torch_layers(x: Tensor, layers: List[_EncoderLayer], kernel: str,
+                      attend: Optional[Tensor], bsz: int, length: int) -> Tensor:
+        """The layers as torch operations around the products, on (bsz * length, C) rows."""
+        dim = x.size(1)
+        for layer in layers:
+            norm_attn = layer.norm_attn
+            residual = x
+            if layer.pre_norm:
+                x = norm_attn(x)
+            qkv = layer.qkv(x, kernel).view(bsz, length, 3, layer.heads, layer.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, S, head_dim)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=1.0)
+            out = out.permute(0, 2, 1, 3).reshape(bsz * length, dim)
+            x = layer.out(out, kernel, add=residual)
+            if not layer.pre_norm:
+                x = norm_attn(x)
+            x = layer.ffn(x, kernel)
+        return x

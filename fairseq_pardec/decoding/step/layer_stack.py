@@ -1,13 +1,15 @@
-"""The fast step's decoder layers as one native call (native_layers.c).
+"""The fast step's decoder layers, and the fast encoder's layers, as one native call each
+(native_layers.c).
 
 At batch 1 a decoder call's products are about half its time; the rest is dispatch: some thirty
 torch operations per layer (layer norms, views, cache writes, packing) and an attention kernel
 that costs 20 us for a block of 6 queries whose arithmetic takes 1 us. :class:`NativeLayerStack`
 hands the whole stack to native_layers.c: one call per decoder call, the products on the native
-kernel (native_linear.c), the rest plain loops. The fast step uses it wherever its products would
-run on the native kernel anyway (products.KernelChoice measured it fastest for that many rows)
-and the layers are ones it computes: fairseq decoder layers with ReLU feed-forward and affine
-layer norms, the same shapes in every layer, no custom block mask.
+kernel (native_linear.c), the rest plain loops. The fast step and the fast encoder use it
+wherever their products would run on the native kernel anyway (products.KernelChoice measured it
+fastest for that many rows) and the layers are ones it computes: fairseq layers with ReLU
+feed-forward and affine layer norms, the same shapes in every layer (and, in the decoder, no
+custom block mask).
 """
 
 import ctypes
@@ -29,29 +31,41 @@ def _affine_norm(norm) -> bool:
             and norm.weight.is_contiguous() and norm.bias.is_contiguous())
 
 
-class NativeLayerStack:
-    """A decoder's layers (fast.py's ``_Layer``) for native_layers.c: the table of weight
-    pointers is built once; the one of cache pointers again when the cache's buffers move."""
+def _parts(layer, encoder: bool):
+    """A layer's products and layer norms in the tables' order (None: an encoder lacks it)."""
+    if encoder:
+        return ((layer.qkv, layer.out, None, None, layer.ffn.fc1, layer.ffn.fc2),
+                (layer.norm_attn, None, layer.ffn.norm))
+    return ((layer.qkv, layer.out, layer.cross_q, layer.cross_out, layer.ffn.fc1, layer.ffn.fc2),
+            (layer.norms[0], layer.norms[1], layer.ffn.norm))
 
-    def __init__(self, kernel, layers: List):
+
+def _shape(layer, encoder: bool):
+    cross = (0, 0) if encoder else (layer.cross_heads, layer.cross_head_dim)
+    model = layer.qkv.in_features
+    return (model, layer.heads, layer.head_dim) + cross + (layer.ffn.fc1.out_features,
+                                                           int(layer.pre_norm))
+
+
+class NativeLayerStack:
+    """A layer stack (fast.py's ``_Layer`` or fast_encoder.py's ``_EncoderLayer``) for
+    native_layers.c: the table of weight pointers is built once; the one of cache pointers again
+    when the cache's buffers move."""
+
+    def __init__(self, kernel, layers: List, encoder: bool = False):
         self.kernel = kernel
-        first = layers[0]
-        self.shape = (len(layers), first.embed_dim, first.heads, first.head_dim,
-                      first.cross_heads, first.cross_head_dim, first.ffn.fc1.out_features,
-                      int(first.pre_norm))
-        table = []
-        eps = []
+        self.encoder = encoder
+        self.shape = _shape(layers[0], encoder)
+        table, eps = [], []
         for layer in layers:
-            norms = (layer.norms[0], layer.norms[1], layer.ffn.norm)
-            maps = (layer.qkv, layer.out, layer.cross_q, layer.cross_out, layer.ffn.fc1,
-                    layer.ffn.fc2)
+            maps, norms = _parts(layer, encoder)
             for lin in maps:
-                table += [lin.panels.data_ptr(), _address(lin.bias)]
+                table += [0, 0] if lin is None else [lin.panels.data_ptr(), _address(lin.bias)]
             for norm in norms:
-                table += [norm.weight.data_ptr(), norm.bias.data_ptr()]
-                eps.append(norm.eps)
+                table += [0, 0] if norm is None else [norm.weight.data_ptr(), norm.bias.data_ptr()]
+                eps.append(0.0 if norm is None else norm.eps)
         assert len(table) == LAYER_WEIGHTS * len(layers)
-        # the weights' tensors outlive this table: fast.py rebuilds both when a weight changes
+        # the weights' tensors outlive this table: their owners rebuild both when a weight changes
         self._layers = layers
         self._weights = (ctypes.c_int64 * len(table))(*table)
         self._eps = (ctypes.c_double * len(eps))(*eps)
@@ -59,57 +73,70 @@ class NativeLayerStack:
         self._state = None
 
     @staticmethod
-    def supports(layers: List) -> bool:
+    def supports(layers: List, encoder: bool = False) -> bool:
         """Whether native_layers.c computes these layers (else the torch path runs them)."""
         if not layers:
             return False
-        first = layers[0]
+        shape = _shape(layers[0], encoder)
+        model, heads, head_dim = shape[:3]
         for layer in layers:
-            maps = (layer.qkv, layer.out, layer.cross_q, layer.cross_out, layer.ffn.fc1,
-                    layer.ffn.fc2)
-            if any(lin.panels is None for lin in maps):
+            maps, norms = _parts(layer, encoder)
+            if any(lin is not None and lin.panels is None for lin in maps):
                 return False
             if layer.ffn.activation is not None or not layer.ffn.fc1.relu:
                 return False
-            if not all(_affine_norm(n) for n in (layer.norms[0], layer.norms[1], layer.ffn.norm)):
+            if not all(norm is None or _affine_norm(norm) for norm in norms):
                 return False
-            same = (layer.embed_dim, layer.heads, layer.head_dim, layer.cross_heads,
-                    layer.cross_head_dim, layer.ffn.fc1.out_features, layer.pre_norm)
-            if same != (first.embed_dim, first.heads, first.head_dim, first.cross_heads,
-                        first.cross_head_dim, first.ffn.fc1.out_features, first.pre_norm):
-                return False
-            if layer.qkv.in_features != layer.embed_dim or layer.embed_dim != (
-                    layer.heads * layer.head_dim):
+            if _shape(layer, encoder) != shape or model != heads * head_dim:
                 return False
         return True
 
-    def _state_table(self, cache):
-        buffers = [cache.keys, cache.values, cache.enc_keys, cache.enc_values]
+    def _state_table(self, buffers: List[List[Tensor]]):
+        """The per-layer pointers: self keys, self values, encoder keys, encoder values."""
         key = tuple(t.data_ptr() for group in buffers for t in group)
         if key != self._state_key:
             if not all(t.is_contiguous() and t.dtype == torch.float32
                        for group in buffers for t in group):
                 raise ValueError("the fast step's cache buffers must be contiguous float32")
             table = [t.data_ptr() for layer in zip(*buffers) for t in layer]
-            assert len(table) == LAYER_STATE * len(cache.keys)
             self._state = (ctypes.c_int64 * len(table))(*table)
             self._state_key = key
         return self._state
 
-    def __call__(self, x: Tensor, cache, index: Optional[Tensor], batch: int, first: int,
-                 length: int) -> Tensor:
-        """The layers' output for the packed rows ``x`` (N, C), a new tensor; the rows' keys and
-        values are written to the cache at ``[first, first + length)``. ``index``: the packed
-        rows' places in the (length, batch) time-major grid (None: dense)."""
-        layers, model, heads, head_dim, cross_heads, cross_dim, ffn, pre_norm = self.shape
+    def _run(self, x: Tensor, state, index, masked, enc_attend, batch, length, first, capacity,
+             source) -> Tensor:
+        model, heads, head_dim, cross_heads, cross_dim, ffn, pre_norm = self.shape
         out = x.contiguous().clone()
-        capacity = cache.keys[0].size(2)
-        source = cache.enc_keys[0].size(2)
         dims = (ctypes.c_int64 * LAYER_DIMS)(
-            layers, out.size(0), batch, length, first, capacity, model, heads, head_dim,
-            cross_heads, cross_dim, ffn, source, pre_norm, torch.get_num_threads())
+            len(self._layers), out.size(0), batch, length, first, capacity, model, heads,
+            head_dim, cross_heads, cross_dim, ffn, source, pre_norm, torch.get_num_threads(),
+            int(self.encoder))
         self.kernel.decoder_layers(
             ctypes.addressof(dims), ctypes.addressof(self._weights), ctypes.addressof(self._eps),
-            ctypes.addressof(self._state_table(cache)), _address(index),
-            _address(cache.masked), _address(cache.enc_attend), out.data_ptr())
+            ctypes.addressof(state), _address(index), _address(masked), _address(enc_attend),
+            out.data_ptr())
+        return out
+
+    def __call__(self, x: Tensor, cache, index: Optional[Tensor], batch: int, first: int,
+                 length: int) -> Tensor:
+        """The decoder layers' output for the packed rows ``x`` (N, C), a new tensor; the rows'
+        keys and values are written to the cache at ``[first, first + length)``. ``index``: the
+        packed rows' places in the (length, batch) time-major grid (None: dense)."""
+        state = self._state_table([cache.keys, cache.values, cache.enc_keys, cache.enc_values])
+        return self._run(x, state, None if index is None else index.contiguous(), cache.masked,
+                         cache.enc_attend, batch, length, first, cache.keys[0].size(2),
+                         cache.enc_keys[0].size(2))
+
+    def encode(self, x: Tensor, padding: Optional[Tensor], batch: int, length: int) -> Tensor:
+        """The encoder layers' output for ``x`` (batch * length, C), batch-major rows, a new
+        tensor; ``padding`` (batch, length) True at padded source positions, or None."""
+        _, heads, head_dim = self.shape[:3]
+        # the layers run one after the other: one keys and one values buffer serve them all
+        keys = x.new_empty(batch, heads, length, head_dim)
+        values = x.new_empty(batch, heads, length, head_dim)
+        state = (ctypes.c_int64 * (LAYER_STATE * len(self._layers)))(
+            *[keys.data_ptr(), values.data_ptr(), 0, 0] * len(self._layers))
+        if padding is not None:
+            padding = padding.contiguous()
+        out = self._run(x, state, None, padding, None, batch, length, 0, length, 0)
         return out

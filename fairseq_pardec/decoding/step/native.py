@@ -44,7 +44,7 @@ def _flags():
 
 # the tables pardec_decoder_layers reads (native_layers.c): dims, per-layer weight pointers,
 # per-layer cache pointers; their sizes, as the library reports them
-LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE = 15, 18, 4
+LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE = 16, 18, 4
 LAYERS_ABI = LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
 
 _kernel = None

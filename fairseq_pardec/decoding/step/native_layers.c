@@ -1,6 +1,9 @@
 /* A whole decoder call's layers in one native call: a Transformer decoder layer stack (fairseq's
  * TransformerDecoderLayer, post- or pre-norm, ReLU feed-forward) over the packed rows of a verify
- * block, on the fast step's static key/value cache (fast.py).
+ * block, on the fast step's static key/value cache (fast.py). With D_ENCODER set, the same code
+ * runs an encoder's layers (fairseq's TransformerEncoderLayer: attention over every real source
+ * position, no encoder attention) over a batch's rows, batch-major, with the keys and values in
+ * a scratch buffer (fast_encoder.py).
  *
  * The fast step in torch issues about thirty operations per layer (norms, views, cache writes,
  * attention, packing), each a few microseconds of dispatch at batch 1, and the attention kernel
@@ -24,7 +27,8 @@ void pardec_linear(const float *x, int64_t M, int64_t K, const float *panels, co
 
 /* dims, in this order */
 enum { D_LAYERS, D_ROWS, D_BATCH, D_LENGTH, D_FIRST, D_CAPACITY, D_MODEL, D_HEADS, D_HEAD_DIM,
-       D_CROSS_HEADS, D_CROSS_HEAD_DIM, D_FFN, D_SOURCE, D_PRE_NORM, D_THREADS, D_COUNT };
+       D_CROSS_HEADS, D_CROSS_HEAD_DIM, D_FFN, D_SOURCE, D_PRE_NORM, D_THREADS, D_ENCODER,
+       D_COUNT };
 
 /* per layer, in this order, in the weights table: panels then bias of each product, then the
  * weight and bias of each layer norm (self-attention, encoder attention, feed-forward) */
@@ -94,7 +98,9 @@ static void attend(const float *q, const float *keys, const float *values, int64
  * (length, batch) grid, or NULL for a dense block; masked: (batch, capacity) nonzero for cache
  * entries no query may attend to, or NULL; enc_attend: (batch, S) nonzero for real source
  * positions, or NULL; x: (rows, model) the layer stack's input, overwritten with its output.
- * Each row's block entries are written at the cache's [first, first + length). */
+ * Each row's block entries are written at the cache's [first, first + length).
+ * An encoder (D_ENCODER): rows are batch-major (batch, length), every row attends to all
+ * length entries not masked, and the encoder-attention weights and state are not read. */
 void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const double *eps,
                            const int64_t *state, const int64_t *index, const uint8_t *masked,
                            const uint8_t *enc_attend, float *x) {
@@ -104,6 +110,8 @@ void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const do
     const int64_t cross_heads = dims[D_CROSS_HEADS], cross_dim = dims[D_CROSS_HEAD_DIM];
     const int64_t ffn = dims[D_FFN], source = dims[D_SOURCE];
     const int pre_norm = (int)dims[D_PRE_NORM], threads = (int)dims[D_THREADS];
+    const int encoder = (int)dims[D_ENCODER];
+    const int64_t length = dims[D_LENGTH];
     const int64_t self_width = heads * head_dim, cross_width = cross_heads * cross_dim;
     const int64_t widest = ffn > 3 * self_width ? ffn : 3 * self_width;
 
@@ -115,10 +123,10 @@ void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const do
     int64_t *row_batch = malloc(sizeof(int64_t) * rows), *row_time = malloc(sizeof(int64_t) * rows);
     for (int64_t n = 0; n < rows; n++) {
         const int64_t place = index ? index[n] : n;
-        row_time[n] = place / batch;
-        row_batch[n] = place % batch;
+        row_time[n] = encoder ? place % length : place / batch;
+        row_batch[n] = encoder ? place / length : place % batch;
     }
-    const int64_t keys_seen = first + dims[D_LENGTH];
+    const int64_t keys_seen = first + length;
     /* attention is a few microseconds of arithmetic at batch 1: threads only for batches */
     const int parallel_attention =
         threads > 1 && rows * heads * keys_seen * head_dim > (1 << 17);
@@ -155,7 +163,8 @@ void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const do
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel_attention)
         for (int64_t task = 0; task < rows * heads; task++) {
             const int64_t n = task / heads, h = task % heads;
-            const int64_t b = row_batch[n], count = first + row_time[n] + 1;
+            const int64_t b = row_batch[n];
+            const int64_t count = encoder ? keys_seen : first + row_time[n] + 1;
             float scores[count];
             const int64_t from = (b * heads + h) * capacity * head_dim;
             attend(wide + n * 3 * self_width + h * head_dim, cache_keys + from,
@@ -167,29 +176,31 @@ void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const do
         memcpy(x, next, sizeof(float) * rows * model);
         if (!pre_norm) layer_norm(x, rows, model, PTR(w, W_N0), PTR(w, W_N0_B), e[0]);
 
-        /* encoder attention over keys and values projected once per batch */
-        in = x;
-        if (pre_norm) {
-            memcpy(normed, x, sizeof(float) * rows * model);
-            layer_norm(normed, rows, model, PTR(w, W_N1), PTR(w, W_N1_B), e[1]);
-            in = normed;
-        }
-        pardec_linear(in, rows, model, PTR(w, W_CQ), PTR(w, W_CQ_B), NULL, wide, cross_width, 0,
-                      threads);
+        /* encoder attention over keys and values projected once per batch (a decoder's) */
+        if (!encoder) {
+            in = x;
+            if (pre_norm) {
+                memcpy(normed, x, sizeof(float) * rows * model);
+                layer_norm(normed, rows, model, PTR(w, W_N1), PTR(w, W_N1_B), e[1]);
+                in = normed;
+            }
+            pardec_linear(in, rows, model, PTR(w, W_CQ), PTR(w, W_CQ_B), NULL, wide, cross_width,
+                          0, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel_attention)
-        for (int64_t task = 0; task < rows * cross_heads; task++) {
-            const int64_t n = task / cross_heads, h = task % cross_heads;
-            const int64_t b = row_batch[n];
-            float scores[source];
-            const int64_t from = (b * cross_heads + h) * source * cross_dim;
-            attend(wide + n * cross_width + h * cross_dim, enc_keys + from, enc_values + from,
-                   source, cross_dim, enc_attend ? enc_attend + b * source : NULL, 0, scores,
-                   attended + n * cross_width + h * cross_dim);
+            for (int64_t task = 0; task < rows * cross_heads; task++) {
+                const int64_t n = task / cross_heads, h = task % cross_heads;
+                const int64_t b = row_batch[n];
+                float scores[source];
+                const int64_t from = (b * cross_heads + h) * source * cross_dim;
+                attend(wide + n * cross_width + h * cross_dim, enc_keys + from, enc_values + from,
+                       source, cross_dim, enc_attend ? enc_attend + b * source : NULL, 0, scores,
+                       attended + n * cross_width + h * cross_dim);
+            }
+            pardec_linear(attended, rows, cross_width, PTR(w, W_CO), PTR(w, W_CO_B), x, next,
+                          model, 0, threads);
+            memcpy(x, next, sizeof(float) * rows * model);
+            if (!pre_norm) layer_norm(x, rows, model, PTR(w, W_N1), PTR(w, W_N1_B), e[1]);
         }
-        pardec_linear(attended, rows, cross_width, PTR(w, W_CO), PTR(w, W_CO_B), x, next, model,
-                      0, threads);
-        memcpy(x, next, sizeof(float) * rows * model);
-        if (!pre_norm) layer_norm(x, rows, model, PTR(w, W_N1), PTR(w, W_N1_B), e[1]);
 
         /* feed-forward, ReLU fused into the first product */
         in = x;
