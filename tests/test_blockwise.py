@@ -14,6 +14,7 @@ from fairseq_pardec.decoding.draft_verify.acceptance import (
     MinimumBlock,
     TopKAcceptance,
 )
+from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
 from fairseq_pardec.models.blockwise_transformer import BlockwiseTransformerModel
 
 from helpers import (by_id, collate, fairseq_greedy, make_dictionary, make_task, pooled, random_batch,
@@ -152,13 +153,22 @@ def test_adaptive_caps_follow_acceptance(trained_heads):
 
 
 @pytest.mark.trains
-def test_merged_invocation_one_model_call_per_iteration(trained_heads):
+def test_merged_invocation_one_model_call_per_iteration(trained_heads, monkeypatch):
     _, model, task, make_sample = trained_heads
     calls = []
-    # the feed-forward's layer norm runs once per decoder pass in every step (fairseq's
-    # modules, the lean step and the fast step, which multiplies with fc1's weights directly)
+    # the feed-forward's layer norm runs once per decoder pass in every step that runs the
+    # layers as torch operations (fairseq's modules, the lean step and the fast step, which
+    # multiplies with fc1's weights directly); the fast step's native layer stack runs them all
+    # in one call
     handle = model.decoder.layers[0].final_layer_norm.register_forward_hook(
         lambda *a: calls.append(1))
+    run_stack = NativeLayerStack.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return run_stack(self, *args, **kwargs)
+
+    monkeypatch.setattr(NativeLayerStack, "__call__", counted)
     try:
         for seed in range(5):
             generator = blockwise_generator(task, model)

@@ -132,9 +132,12 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
         batch.backoff.update(block.drafted, n_acc_t)
     drafter = generator.drafter
     if type(drafter).observe is not Drafter.observe:
+        last_features = last_tokens = None
+        if drafter.observes_features:
+            last_features = features.index_select(0, torch.tensor(last_pos, device=device))
+            last_tokens = torch.tensor(last_token, device=device)
         with batch.drafter_timer:
-            drafter.observe(batch.rows, features.index_select(0, torch.tensor(last_pos, device=device)),
-                            gained_t.to(device) - 1, torch.tensor(last_token, device=device))
+            drafter.observe(batch.rows, last_features, gained_t.to(device) - 1, last_tokens)
     generator.block_decoder.rollback(batch.cache, block.width + 1, gained_t.to(device),
                                      keep_range=(fewest, max(gained)))
     return torch.tensor(done)

@@ -26,6 +26,7 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
+from fairseq_pardec.decoding.step.weights_key import WeightsKey
 from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
                                                   query_key_value)
 
@@ -81,13 +82,14 @@ class FastEncoder:
         self.encoder = encoder
         self.kernels = kernels if kernels is not None else KernelChoice()
         self._key = None
+        self._fingerprint = WeightsKey(encoder.layers)
         self._layers: List[_EncoderLayer] = []
         # the layers as one native call where its products run natively (layer_stack.py)
         self._stack: Optional[NativeLayerStack] = None
         self.native_stack = True
 
     def _prepared(self) -> List[_EncoderLayer]:
-        key = tuple((p.data_ptr(), p._version) for p in self.encoder.layers.parameters())
+        key = self._fingerprint.key()
         if key != self._key:
             with torch.no_grad():
                 self._layers = [_EncoderLayer(layer) for layer in self.encoder.layers]

@@ -18,6 +18,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+
 from fairseq_pardec.decoding.step.native import LAYER_DIMS, LAYER_STATE, LAYER_WEIGHTS
 
 
@@ -45,6 +47,27 @@ def _shape(layer, encoder: bool):
     model = layer.qkv.in_features
     return (model, layer.heads, layer.head_dim) + cross + (layer.ffn.fc1.out_features,
                                                            int(layer.pre_norm))
+
+
+def _position_table(decoder, needed: int):
+    """The decoder's position embeddings as a table of at least ``needed`` rows where it can
+    have them (a learned table, or fairseq's sinusoids grown as fairseq grows them); None
+    without position embeddings; False for anything else."""
+    module = decoder.embed_positions
+    if module is None:
+        return None
+    if isinstance(module, LearnedPositionalEmbedding):
+        table = module.weight
+    elif isinstance(module, SinusoidalPositionalEmbedding):
+        if module.weights.size(0) < needed:
+            # let fairseq grow its sinusoid table exactly as it would itself
+            module(torch.zeros(1, needed - module.padding_idx - 1, dtype=torch.long))
+        table = module.weights
+    else:
+        return False
+    if table.dtype != torch.float32 or not table.is_contiguous() or table.device.type != "cpu":
+        return False
+    return table
 
 
 class NativeLayerStack:
@@ -116,6 +139,33 @@ class NativeLayerStack:
             ctypes.addressof(state), _address(index), _address(masked), _address(enc_attend),
             out.data_ptr())
         return out
+
+    def block_input(self, decoder, tokens: Tensor, start: Tensor, index: Optional[Tensor],
+                    rows: int, first: int) -> Optional[Tensor]:
+        """The decoder's input for a block's packed rows (embed_at's function: scaled token
+        embedding plus position embedding, native_layers.c) where the decoder's way in is just
+        those two tables; None where it is not, or a token or position is outside its table
+        (the torch path then runs, and says what is wrong)."""
+        table = decoder.embed_tokens
+        if (type(table) is not torch.nn.Embedding or table.max_norm is not None
+                or decoder.project_in_dim is not None or decoder.layernorm_embedding is not None
+                or decoder.dropout_module.training
+                or decoder.dropout_module.apply_during_inference
+                or table.weight.dtype != torch.float32 or not table.weight.is_contiguous()):
+            return None
+        batch, length = tokens.shape
+        offset = decoder.padding_idx + 1
+        positions = _position_table(decoder, first + length + offset)
+        if positions is False:
+            return None
+        tokens, start = tokens.contiguous(), start.contiguous()
+        out = torch.empty(rows, table.weight.size(1))
+        failed = self.kernel.embed_block(
+            tokens.data_ptr(), start.data_ptr(), _address(index), rows, batch, length, offset,
+            decoder.embed_scale, table.weight.data_ptr(), table.weight.size(0),
+            _address(positions), 0 if positions is None else positions.size(0),
+            table.weight.size(1), out.data_ptr())
+        return None if failed else out
 
     def __call__(self, x: Tensor, cache, index: Optional[Tensor], batch: int, first: int,
                  length: int) -> Tensor:

@@ -70,6 +70,11 @@ class NativeKernel:
         self._best_two.restype = None
         self._best_two.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self.embed_block = library.pardec_embed_block
+        self.embed_block.restype = ctypes.c_int
+        self.embed_block.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
+            ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+            ctypes.c_int64, ctypes.c_void_p]
         library.pardec_layers_abi.restype = ctypes.c_int
         if library.pardec_layers_abi() != LAYERS_ABI:
             raise RuntimeError("native_layers.c and native.py disagree on the tables' layout")

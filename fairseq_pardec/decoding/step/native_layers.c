@@ -223,3 +223,38 @@ void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const do
     free(row_batch);
     free(row_time);
 }
+
+/* The decoder's input for the packed rows of a block: scale * tokens' embedding + their
+ * positions' embedding, as fairseq adds them (a learned or a sinusoidal table: rows of the
+ * table either way). tokens: (batch, length) contiguous; start: (batch,) each row's first
+ * decoder step; index: as for pardec_decoder_layers (NULL: dense); positions: (position_rows,
+ * model) or NULL; x: (rows, model), written. A row's position is its step + offset (fairseq's
+ * padding index + 1). Returns 0, or -1 (nothing written) where a token or a position falls
+ * outside its table. */
+/* no fused multiply-add: fairseq rounds the scaled embedding before adding the position */
+__attribute__((optimize("fp-contract=off")))
+int pardec_embed_block(const int64_t *tokens, const int64_t *start, const int64_t *index,
+                       int64_t rows, int64_t batch, int64_t length, int64_t offset, float scale,
+                       const float *embeddings, int64_t vocabulary, const float *positions,
+                       int64_t position_rows, int64_t model, float *x) {
+    for (int64_t n = 0; n < rows; n++) {
+        const int64_t place = index ? index[n] : n;
+        const int64_t t = place / batch, b = place % batch;
+        const int64_t token = tokens[b * length + t], position = start[b] + t + offset;
+        if (token < 0 || token >= vocabulary) return -1;
+        if (positions && (position < 0 || position >= position_rows)) return -1;
+    }
+    for (int64_t n = 0; n < rows; n++) {
+        const int64_t place = index ? index[n] : n;
+        const int64_t t = place / batch, b = place % batch;
+        const float *e = embeddings + tokens[b * length + t] * model;
+        float *out = x + n * model;
+        if (positions) {
+            const float *p = positions + (start[b] + t + offset) * model;
+            for (int64_t c = 0; c < model; c++) out[c] = scale * e[c] + p[c];
+        } else {
+            for (int64_t c = 0; c < model; c++) out[c] = scale * e[c];
+        }
+    }
+    return 0;
+}

@@ -4,6 +4,7 @@ A drafter gets the batch once (``start``) and is then asked, every iteration, fo
 ``max_len[b]`` draft tokens per active row given the tokens accepted so far.
 """
 
+import math
 import threading
 from typing import List
 
@@ -27,23 +28,51 @@ class AdaptiveCaps:
     its iterations cost about a greedy step; a row that drafts well drafts up to the drafter's
     ceiling. ``initial`` is every row's mean before its first draft (``inf``: uncapped until
     then, the first draft's acceptance then is the mean). Float64: the halving keeps adding bits.
+
+    On the CPU the means are a Python list (double precision too), read and updated with a few
+    list operations per row where tensor operations cost a few microseconds each; elsewhere they
+    stay on the device, so that no iteration reads the device for them.
     """
 
+    CEILING = 2 ** 30
+
     def __init__(self, rows: int, initial: float, device):
-        self.mean = torch.full((rows,), float(initial), dtype=torch.float64, device=device)
+        self.on_host = torch.device(device).type == "cpu"
+        if self.on_host:
+            self.mean = [float(initial)] * rows
+        else:
+            self.mean = torch.full((rows,), float(initial), dtype=torch.float64, device=device)
 
     def caps(self, rows: Tensor) -> Tensor:
         """(B,) the most draft tokens each of ``rows`` may draft now (long)."""
-        return (2 * self.mean[rows]).clamp(max=2 ** 30).long() + 1
+        if self.on_host:
+            return torch.tensor(self.host_caps(rows.tolist()), dtype=torch.long)
+        return (2 * self.mean[rows]).clamp(max=self.CEILING).long() + 1
+
+    def host_caps(self, rows: List[int]) -> List[int]:
+        """``caps`` on the host (CPU only)."""
+        mean = self.mean
+        return [int(min(2 * mean[r], self.CEILING)) + 1 for r in rows]
 
     def update(self, rows: Tensor, drafted: Tensor, accepted: Tensor):
         """After a verification: ``drafted`` (B,) draft lengths, ``accepted`` (B,) draft tokens
         accepted. A row that drafted nothing keeps its mean: no draft says nothing about how
         well it drafts."""
+        if self.on_host:
+            self.host_update(rows.tolist(), drafted.tolist(), accepted.tolist())
+            return
         accepted = torch.minimum(accepted, drafted).to(torch.float64)
         mean = self.mean[rows]
         new = torch.where(torch.isinf(mean), accepted, 0.5 * (mean + accepted))
         self.mean[rows] = torch.where(drafted > 0, new, mean)
+
+    def host_update(self, rows: List[int], drafted: List[int], accepted: List[int]):
+        """``update`` on the host (CPU only), with the same double-precision arithmetic."""
+        mean = self.mean
+        for r, tried, kept in zip(rows, drafted, accepted):
+            if tried > 0:
+                kept = float(min(kept, tried))
+                mean[r] = kept if math.isinf(mean[r]) else 0.5 * (mean[r] + kept)
 
 
 _THREADS_LOCK = threading.Lock()
@@ -63,6 +92,9 @@ class Drafter:
 
     sampler = None
     temperature = 1.0
+    # whether ``observe`` reads its ``features`` and ``tokens`` (the engine gathers them for
+    # drafters that do: blockwise decoding's proposal heads)
+    observes_features = True
 
     # The attributes a drafter sets per batch (in ``start``, ``propose``, ``observe``), with
     # their values before any is set. They live in an object of the calling thread, so threads

@@ -88,6 +88,8 @@ class CachedNARDrafter(NARDrafter):
     BATCH_STATE = dict(NARDrafter.BATCH_STATE, cache=None, n_cached=None, caps=None,
                        drafted=None)
 
+    observes_features = False  # observe reads only how much of each draft was accepted
+
     def __init__(self, model, block_size: int, eos: int, pad: int, adaptive: bool = False,
                  dictionary=None, draft_vocab=None):
         super().__init__(model, block_size, eos, pad, dictionary, draft_vocab)

@@ -229,7 +229,7 @@ class LookupDrafter(CopyDrafter):
         row_ids, lengths = rows.tolist(), n_out.tolist()
         self._read_new_tokens(row_ids, tokens, lengths)
         ceiling = self._ceiling(len(row_ids))
-        for row, cap in zip(row_ids, self._row_caps(rows, max_len, ceiling)):
+        for row, cap in zip(row_ids, self._row_caps(row_ids, max_len, ceiling)):
             draft = self._local(row, cap) if cap > 0 else []
             if not draft and cap > 0 and self.table is not None:
                 draft = self.table.continuation(self.outputs[row], cap)

@@ -73,6 +73,7 @@ class CopyDrafter(Drafter):
 
     BATCH_STATE = dict(Drafter.BATCH_STATE, on_cpu=True, sources=None, positions=None,
                        last_match=None, outputs=None, caps=None, _drafted=None)
+    observes_features = False  # observe reads only how much of each draft was accepted
 
     def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False):
         self.vocab_map = SourceVocabularyMap(src_dict, tgt_dict)
@@ -132,19 +133,31 @@ class CopyDrafter(Drafter):
         share = self.CPU_POSITIONS // max(1, active_rows)
         return max(self.CPU_MIN_CEILING, min(self.CPU_MAX_CEILING, share))
 
-    def _row_caps(self, rows: Tensor, max_len: Tensor, ceiling) -> List[int]:
+    def _row_caps(self, rows: List[int], max_len: Tensor, ceiling) -> List[int]:
         """Most draft tokens per row now: its room, the ceiling, and (adaptive) its own cap."""
-        caps = max_len if ceiling is None else max_len.clamp(max=ceiling)
+        caps = max_len.tolist()
+        if ceiling is not None:
+            caps = [min(cap, ceiling) for cap in caps]
         if self.adaptive:
-            caps = torch.minimum(caps, self.caps.caps(rows))
-        return caps.tolist()
+            own = (self.caps.host_caps(rows) if self.caps.on_host
+                   else self.caps.caps(torch.tensor(rows, device=self.caps.mean.device)).tolist())
+            caps = [min(cap, mine) for cap, mine in zip(caps, own)]
+        return caps
 
     def _read_new_tokens(self, row_ids: List[int], tokens: Tensor, n_out: List[int]):
-        """Append each row's tokens accepted since the last call (one small gather)."""
+        """Append each row's tokens accepted since the last call (on the CPU a slice per row,
+        elsewhere one small gather)."""
         known = [len(self.outputs[row]) for row in row_ids]
         new = [n + 1 - k for n, k in zip(n_out, known)]
         width = max(new, default=0)
         if width <= 0:
+            return
+        if tokens.device.type == "cpu":
+            # a view of the buffer: each row's new tokens are one slice, no tensor operation
+            table = tokens.numpy()
+            for i, (row, count) in enumerate(zip(row_ids, new)):
+                if count > 0:
+                    self.outputs[row].extend(table[i, known[i]: known[i] + count].tolist())
             return
         cols = torch.tensor(known, device=tokens.device).unsqueeze(1) + torch.arange(
             width, device=tokens.device)
@@ -158,7 +171,7 @@ class CopyDrafter(Drafter):
         row_ids, lengths = rows.tolist(), n_out.tolist()
         self._read_new_tokens(row_ids, tokens, lengths)
         ceiling = self._ceiling(len(row_ids))
-        for row, n, limit in zip(row_ids, lengths, self._row_caps(rows, max_len, ceiling)):
+        for row, n, limit in zip(row_ids, lengths, self._row_caps(row_ids, max_len, ceiling)):
             output = self.outputs[row]
             at = self._match(row, output) if limit > 0 else None
             if at is None:
@@ -173,5 +186,8 @@ class CopyDrafter(Drafter):
     def observe(self, rows, features, last, tokens=None):
         if self.adaptive and self._drafted is not None:
             drafted_rows, drafted = self._drafted
-            self.caps.update(drafted_rows, drafted, last.to(drafted.device))
+            if self.caps.on_host:
+                self.caps.host_update(drafted_rows.tolist(), drafted.tolist(), last.tolist())
+            else:
+                self.caps.update(drafted_rows, drafted, last.to(drafted.device))
         self._drafted = None
