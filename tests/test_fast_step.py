@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls
+from fairseq_pardec.decoding.draft_verify import margin_guard
+from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls, fairseq_decision
 from fairseq_pardec.decoding.step.fast import DEFAULT_MARGIN, FastBlockDecoder
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
@@ -16,6 +17,7 @@ from fairseq_pardec.decoding.step.products import (KERNELS, MKL, NATIVE, ONEDNN,
                                                   Linear)
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
+from test_beam_one import twin_vocabulary_model
 from test_lean_decoder import _drive
 
 ARCHITECTURES = [
@@ -236,3 +238,36 @@ def test_products_agree_across_kernels_and_the_choice_follows_the_thread_count()
         torch.set_num_threads(threads)
     with pytest.raises(ValueError):
         choice.pin("blas")
+
+
+@pytest.mark.parametrize("model_kind", ["plain", "pre-norm", "learned-positions",
+                                        "embedding-norm", "twin-tokens"])
+def test_replayed_decision_is_sequence_generators(model_kind, monkeypatch):
+    """A close call's decision replayed with the lean step (margin_guard._replayed_decision)
+    is the one fairseq's SequenceGenerator makes, with --unkpen, --min-len (above the step,
+    where SequenceGenerator alone needs a longer search) and a temperature; on the twin-token
+    model many of these decisions are exact ties broken by rounding."""
+    if model_kind == "twin-tokens":
+        model, d = twin_vocabulary_model(seed=4)
+    else:
+        overrides = dict(zip(["plain", "pre-norm", "learned-positions", "embedding-norm"],
+                             ARCHITECTURES))[model_kind]
+        d = make_dictionary(40)
+        model = tiny_transformer(make_task(d), seed=35, **overrides)
+    model.eval()
+    sample = random_batch(d, [7, 12], seed=3)
+    g = torch.Generator().manual_seed(1)
+    for unk_penalty, min_len, temperature in [(0.0, 1, 1.0), (0.5, 6, 0.7)]:
+        generator = DraftVerifyGenerator([model], d, CopyDrafter(d, d), ExactAcceptance(),
+                                         max_len_a=1.2, max_len_b=10, unk_penalty=unk_penalty,
+                                         min_len=min_len, temperature=temperature)
+        for row in range(2):
+            src = sample["net_input"]["src_tokens"][row]
+            for steps in range(0, 12, 2):
+                decided = torch.randint(4, len(d), (steps,), generator=g)
+                with torch.no_grad():
+                    monkeypatch.setattr(margin_guard, "_REPLAY", True)
+                    replayed = fairseq_decision(generator, src, decided)
+                    monkeypatch.setattr(margin_guard, "_REPLAY", False)
+                    searched = fairseq_decision(generator, src, decided)
+                assert replayed == searched, (unk_penalty, min_len, steps)

@@ -11,6 +11,7 @@ sentence with the tokens decided so far forced as a prefix: the decision of fair
 as ``fairseq-generate --batch-size 1`` makes it.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -48,13 +49,71 @@ def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
         decided: (P,) the target tokens before the decision (BOS excluded).
     """
     src = src_tokens[src_tokens.ne(generator.src_pad)].unsqueeze(0)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([src.size(1)])}}
+    replayed = _replayed_decision(generator, sample, decided, bos_token)
+    if replayed is not None:
+        return replayed
+    # the search must reach the decision's step, and fairseq refuses a length limit below
+    # --min-len (the steps after the decision do not change it)
     search = SequenceGenerator(
         [generator.model], generator.tgt_dict, beam_size=1, max_len_a=0,
-        max_len_b=decided.numel() + 1, max_len=generator.max_len, min_len=generator.min_len,
+        max_len_b=max(decided.numel() + 1, generator.min_len), max_len=generator.max_len,
+        min_len=generator.min_len,
         normalize_scores=generator.normalize_scores, len_penalty=generator.len_penalty,
         unk_penalty=generator.unk_penalty, temperature=generator.temperature, eos=generator.eos,
     )
-    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([src.size(1)])}}
     prefix = decided.unsqueeze(0) if decided.numel() else None
     hypo = search.generate([generator.model], sample, prefix_tokens=prefix, bos_token=bos_token)[0][0]
     return int(hypo["tokens"][decided.numel()])
+
+
+def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[int]):
+    """:func:`fairseq_decision` by replaying what fairseq's ``SequenceGenerator`` computes for
+    it, without its search bookkeeping and with the lean step for the decoder layers; None where
+    the replay does not apply (the caller then runs ``SequenceGenerator`` itself).
+
+    fairseq's search with the decided tokens as a forced prefix runs, per step: the decoder over
+    one new token (its incremental path; the lean step's layers compute it bit for bit,
+    tests/test_lean_decoder.py), the decoder's own output layer, the division by the temperature
+    and the model's own normalisation, fairseq's edits of the log-probabilities; at a forced
+    step the hypothesis score becomes the previous one plus the forced token's log-probability
+    (float32), and at the step after the prefix the choice is beam-1's first of
+    ``topk(score + log-probs, 2)``. A decision there takes half the time
+    ``SequenceGenerator`` took (tests/test_fast_step.py compares the two).
+    """
+    from fairseq_pardec.decoding.fairseq_rules import beam_one_choice, token_rules
+    from fairseq_pardec.decoding.step.block_layout import BlockLayout
+    from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
+
+    model, decoder = generator.model, generator.model.decoder
+    steps = decided.numel()
+    # SequenceGenerator's length limit for this search: step `steps` must lie below it
+    if not _REPLAY or not lean_supported(decoder) or steps + 1 > generator.max_len - 1:
+        return None
+    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    step = LeanBlockDecoder(decoder)
+    cache = step.new_state()
+    one = BlockLayout(torch.zeros(1, 1, dtype=torch.bool))
+    tokens = [generator.eos if bos_token is None else bos_token] + decided.tolist()
+    score = None
+    for t in range(steps + 1):
+        features = step.forward_packed(torch.tensor([[tokens[t]]]), torch.tensor([t]), one,
+                                       encoder_out, cache)
+        logits = decoder.output_layer(features.unsqueeze(1))  # (1, 1, V), as fairseq's
+        logits = logits[:, -1:, :].div_(generator.temperature)
+        lprobs = model.get_normalized_probs((logits, None), log_probs=True)[:, -1, :]
+        token_rules(lprobs, generator.pad, generator.unk, generator.unk_penalty)
+        if t < steps:
+            lp = lprobs[:, tokens[t + 1]]
+            score = lp if score is None else score + lp
+            continue
+        if t < generator.min_len:
+            lprobs[:, generator.eos] = -math.inf
+        before = score if score is not None else lprobs.new_zeros(1)
+        choice, _ = beam_one_choice(lprobs, before)
+        return int(choice[0])
+    return None
+
+
+# False runs every decision through SequenceGenerator (tests compare the two)
+_REPLAY = True
