@@ -12,8 +12,8 @@
  * cache writes and the attention, with no dispatch between them.
  *
  * Rounding: layer norms accumulate in double; an attention score sums its head_dim products in
- * SIMD lanes; softmax subtracts the row's maximum and divides the weighted sum of values by the
- * sum of weights. All of it differs from torch's rounding by about 1e-6 relative in float32, which
+ * SIMD lanes; softmax subtracts the row's maximum, takes a polynomial exp (exp_nonpositive) and
+ * divides the weighted sum of values by the sum of weights. All of it differs from torch's rounding by about 1e-6 relative in float32, which
  * the fast step's margin guard covers (fast.py, DEFAULT_MARGIN; tests/test_fast_step.py).
  */
 
@@ -61,36 +61,80 @@ static void layer_norm(float *x, int64_t rows, int64_t width, const float *weigh
     }
 }
 
+/* e^x for x <= 0 (a score minus its row's maximum; -inf gives 0): 2^n p(r) with
+ * r = x - n ln 2 in [-ln2/2, ln2/2] and p Cephes' expf polynomial, within 2 ulp of expf; in
+ * SIMD lanes, where a call of libm's expf per key cost more than the rest of the attention */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(clamped * 1.44269504088896341f);
+    const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int32_t i; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return x < -87.0f ? 0.0f : p * scale.f;
+}
+
 /* softmax(q . k_j) v_j over the keys j < count; flags (or NULL: every key) mark the keys to
  * skip (flags_skip = 1: a nonzero flag skips the key) or to read (flags_skip = 0). q is already
- * scaled; keys and values are (count, dim) rows; scores: count floats of scratch. */
+ * scaled; keys and values are (count, DIM) rows; scores: count floats of scratch. DIM is a
+ * constant where it can be (the sums of a head stay in registers), else ``dim``. */
+#define ATTEND(NAME, DIM)                                                                       \
+    static void NAME(const float *restrict q, const float *restrict keys,                     \
+                     const float *restrict values, int64_t count, int64_t dim,                \
+                     const uint8_t *flags, int flags_skip, float *restrict scores,            \
+                     float *restrict out) {                                                   \
+        (void)dim;                                                                             \
+        float best = -INFINITY;                                                                \
+        for (int64_t j = 0; j < count; j++) {                                                  \
+            if (flags && ((flags[j] != 0) == flags_skip)) {                                    \
+                scores[j] = -INFINITY;                                                         \
+                continue;                                                                      \
+            }                                                                                  \
+            const float *k = keys + j * (DIM);                                                 \
+            float s = 0.f;                                                                     \
+            _Pragma("omp simd reduction(+ : s)")                                               \
+            for (int64_t d = 0; d < (DIM); d++) s += q[d] * k[d];                              \
+            scores[j] = s;                                                                     \
+            if (s > best) best = s;                                                            \
+        }                                                                                      \
+        float total = 0.f;                                                                     \
+        _Pragma("omp simd reduction(+ : total)")                                               \
+        for (int64_t j = 0; j < count; j++) {                                                  \
+            const float p = exp_nonpositive(scores[j] - best);                                 \
+            scores[j] = p;                                                                     \
+            total += p;                                                                        \
+        }                                                                                      \
+        float sum[(DIM) > 0 ? (DIM) : 1];                                                      \
+        for (int64_t d = 0; d < (DIM); d++) sum[d] = 0.f;                                      \
+        for (int64_t j = 0; j < count; j++) {                                                  \
+            const float p = scores[j];                                                         \
+            if (p == 0.f) continue; /* a skipped key (or one e^-87 below the best) */          \
+            const float *v = values + j * (DIM);                                               \
+            _Pragma("omp simd")                                                                \
+            for (int64_t d = 0; d < (DIM); d++) sum[d] += p * v[d];                            \
+        }                                                                                      \
+        const float inv = 1.f / total;                                                         \
+        for (int64_t d = 0; d < (DIM); d++) out[d] = sum[d] * inv;                             \
+    }
+
+ATTEND(attend_64, 64)
+ATTEND(attend_32, 32)
+ATTEND(attend_any, dim)
+
 static void attend(const float *q, const float *keys, const float *values, int64_t count,
                    int64_t dim, const uint8_t *flags, int flags_skip, float *scores, float *out) {
-    float best = -INFINITY;
-    for (int64_t j = 0; j < count; j++) {
-        if (flags && ((flags[j] != 0) == flags_skip)) {
-            scores[j] = -INFINITY;
-            continue;
-        }
-        const float *k = keys + j * dim;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < dim; d++) s += q[d] * k[d];
-        scores[j] = s;
-        if (s > best) best = s;
-    }
-    for (int64_t d = 0; d < dim; d++) out[d] = 0.f;
-    float total = 0.f;
-    for (int64_t j = 0; j < count; j++) {
-        if (scores[j] == -INFINITY) continue;
-        const float p = expf(scores[j] - best);
-        total += p;
-        const float *v = values + j * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; d++) out[d] += p * v[d];
-    }
-    const float inv = 1.f / total;
-    for (int64_t d = 0; d < dim; d++) out[d] *= inv;
+    if (dim == 64)
+        attend_64(q, keys, values, count, dim, flags, flags_skip, scores, out);
+    else if (dim == 32)
+        attend_32(q, keys, values, count, dim, flags, flags_skip, scores, out);
+    else
+        attend_any(q, keys, values, count, dim, flags, flags_skip, scores, out);
 }
 
 /* dims: D_COUNT values (see the enum); weights: W_COUNT pointers per layer; eps: 3 per layer;
