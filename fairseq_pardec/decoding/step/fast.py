@@ -12,9 +12,11 @@ fewer, larger operations:
   only moves the end back (rejected entries are overwritten by the next block);
 * one product per layer produces queries, keys and values together, from a concatenated weight
   with the query scaling folded in; each product runs on the kernel measured faster on this
-  machine for its number of rows, MKL's ``addmm`` on a transposed weight or oneDNN's product on
-  a packed one with ReLU fused (step/products.py);
-* attention is one fused kernel (``F.scaled_dot_product_attention``) for one row, and
+  machine for its number of rows, MKL's ``addmm`` on a transposed weight, oneDNN's product on
+  a packed one with ReLU fused, or the project's native kernel (step/products.py);
+* where the products run on the native kernel, the whole call does: the block's input and every
+  layer in one native call (step/layer_stack.py, native_layers.c), no torch operation between;
+* otherwise attention is one fused kernel (``F.scaled_dot_product_attention``) for one row, and
   product / softmax / product with an additive mask for a batch (:func:`_attention`), with a mask
   only where one is needed (a block of several positions, rolled-back holes, a ragged block,
   padded sources);

@@ -7,7 +7,8 @@ computes the same function as :class:`~fairseq.models.transformer.TransformerEnc
 the fast decoder step's means (step/fast.py): one product for queries, keys and values per layer
 with the query scaling folded into its weight, each product on the kernel measured faster for its
 row count (step/products.py, the decoder's own choice), ReLU fused into the first feed-forward
-product, and ``F.scaled_dot_product_attention`` over the unpadded keys.
+product, and ``F.scaled_dot_product_attention`` over the unpadded keys; where its products run
+on the native kernel, all its layers run as one native call (step/layer_stack.py).
 
 It rounds differently from fairseq's modules, as the fast decoder step does; the margin guard
 (fast.py, DEFAULT_MARGIN) covers the two together: tests/test_fast_step.py measures the
@@ -26,9 +27,9 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
-from fairseq_pardec.decoding.step.weights_key import WeightsKey
 from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
                                                   query_key_value)
+from fairseq_pardec.decoding.step.weights_key import WeightsKey
 
 
 def _plain_self_attention(attn) -> bool:
