@@ -13,8 +13,9 @@ from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, block_decoder_for
 from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
 from fairseq_pardec.decoding.step.native import native_kernel, native_unavailable_reason
-from fairseq_pardec.decoding.step.products import (KERNELS, MKL, NATIVE, ONEDNN, KernelChoice,
-                                                  Linear)
+from fairseq_pardec.decoding.step.products import (KERNEL_VARIABLE, KERNELS, MKL, NATIVE, ONEDNN,
+                                                  KernelChoice, Linear)
+from fairseq_pardec.errors import UsageError
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 from test_beam_one import twin_vocabulary_model
@@ -271,3 +272,14 @@ def test_replayed_decision_is_sequence_generators(model_kind, monkeypatch):
                     monkeypatch.setattr(margin_guard, "_REPLAY", False)
                     searched = fairseq_decision(generator, src, decided)
                 assert replayed == searched, (unk_penalty, min_len, steps)
+
+
+def test_kernel_pinned_from_the_environment(monkeypatch):
+    """$FAIRSEQ_PARDEC_KERNEL pins every product to one kernel (runs then print the same
+    scores); a name that is no kernel is a one-line usage error naming the variable."""
+    monkeypatch.setenv(KERNEL_VARIABLE, ONEDNN)
+    choice = KernelChoice()
+    assert choice.chosen() == (ONEDNN,) * 4 and not choice.stale()
+    monkeypatch.setenv(KERNEL_VARIABLE, "blas")
+    with pytest.raises(UsageError, match="FAIRSEQ_PARDEC_KERNEL=blas"):
+        KernelChoice()

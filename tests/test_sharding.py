@@ -70,7 +70,10 @@ print(json.dumps([codes[i] for i in range(len(runs))]))
 
 def env(threads=1):
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PATH=path)
+    # one product kernel in every process: each would otherwise measure its own choice, and
+    # the kernels round the printed scores differently (products.KERNEL_VARIABLE)
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PATH=path,
+                FAIRSEQ_PARDEC_KERNEL="native")
 
 
 def h_lines(stdout):

@@ -17,6 +17,7 @@ All three round differently from fairseq's ``F.linear`` (about 1e-6 in float32);
 guard covers each (fast.py, DEFAULT_MARGIN; tests/test_fast_step.py runs every kernel).
 """
 
+import os
 import statistics
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fairseq_pardec.errors import UsageError
 from fairseq_pardec.decoding.step.native import native_kernel
 from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
 
@@ -116,14 +118,29 @@ class FeedForward:
         return x if self.pre_norm else self.norm(x)
 
 
+# Names one kernel for every product of every fast step in the process, measuring nothing. The
+# measured choice can differ between two runs on a noisy machine, and the kernels (with the
+# native layer stack) round differently, so the scores a run prints can differ from another's in
+# the 7th digit (never the tokens: the margin guard); a pinned kernel makes them repeat.
+KERNEL_VARIABLE = "FAIRSEQ_PARDEC_KERNEL"
+
+
 class KernelChoice:
     """Per row-count regime, which kernel runs a chain of :class:`Linear` maps fastest on this
-    machine; measured when first asked and again when the thread count changes."""
+    machine; measured when first asked and again when the thread count changes, unless
+    ``$FAIRSEQ_PARDEC_KERNEL`` names one kernel for everything."""
 
     def __init__(self):
         self._threads: Optional[int] = None
         self._kernels: Sequence[str] = (MKL,) * len(_PROBE_ROWS)
         self._pinned = False
+        pinned = os.environ.get(KERNEL_VARIABLE)
+        if pinned:
+            if pinned not in KERNELS:
+                raise UsageError("%s=%s is not a product kernel; set it to one of %s, or unset it "
+                                 "to let the fast step measure" % (KERNEL_VARIABLE, pinned,
+                                                                   ", ".join(KERNELS)))
+            self.pin(pinned)
 
     def pin(self, kernel: str):
         """Use one kernel for every row count from now on, measuring nothing (tests, and
