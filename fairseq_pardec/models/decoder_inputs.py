@@ -9,6 +9,7 @@ give the positions explicitly; everything else is fairseq's own computation, in 
 
 from typing import Optional, Tuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -29,6 +30,18 @@ def position_embeddings(decoder, positions: Tensor) -> Optional[Tensor]:
     return module.weights.index_select(0, positions.reshape(-1)).view(
         positions.size() + (-1,)
     ).detach()
+
+
+def plain_input(decoder) -> bool:
+    """True when :func:`embed_at` is just the scaled token row plus the position row: a plain
+    float32 ``nn.Embedding`` table, no input projection, layer norm, quantisation noise or active
+    dropout on the way in (the fast step then reads the two tables directly)."""
+    table = decoder.embed_tokens
+    dropout = decoder.dropout_module
+    return (type(table) is torch.nn.Embedding and table.max_norm is None
+            and table.weight.dtype == torch.float32 and decoder.quant_noise is None
+            and decoder.project_in_dim is None and decoder.layernorm_embedding is None
+            and not dropout.training and not dropout.apply_during_inference)
 
 
 def embed_at(decoder, tokens: Tensor, positions: Tensor) -> Tensor:

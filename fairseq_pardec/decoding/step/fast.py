@@ -47,7 +47,7 @@ from fairseq_pardec.decoding.step.output_projection import plain_output_projecti
 from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
                                                   query_key_value)
 from fairseq_pardec.decoding.step.weights_key import WeightsKey
-from fairseq_pardec.models.decoder_inputs import (encoder_states, final_features,
+from fairseq_pardec.models.decoder_inputs import (encoder_states, final_features, plain_input,
                                                    position_embeddings)
 
 # A bound on |fast log-prob - fairseq log-prob| in float32, with a wide safety factor. The fast
@@ -252,12 +252,9 @@ class FastBlockDecoder(LeanBlockDecoder):
         the time at batch 1), the same arithmetic in the same order. Decoders with anything
         else on the way in go through embed_at."""
         dec = self.decoder
-        table = dec.embed_tokens
-        if (type(table) is not torch.nn.Embedding or table.max_norm is not None
-                or dec.project_in_dim is not None or dec.layernorm_embedding is not None
-                or dec.dropout_module.training or dec.dropout_module.apply_during_inference):
+        if not plain_input(dec):
             return super().embed(tokens, positions)
-        x = dec.embed_scale * F.embedding(tokens, table.weight)
+        x = dec.embed_scale * F.embedding(tokens, dec.embed_tokens.weight)
         pos = position_embeddings(dec, positions)
         if pos is not None:
             x += pos

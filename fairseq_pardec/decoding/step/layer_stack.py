@@ -21,6 +21,7 @@ from torch import Tensor
 from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 
 from fairseq_pardec.decoding.step.native import LAYER_DIMS, LAYER_STATE, LAYER_WEIGHTS
+from fairseq_pardec.models.decoder_inputs import plain_input
 
 
 def _address(t: Optional[Tensor]) -> int:
@@ -147,11 +148,7 @@ class NativeLayerStack:
         those two tables; None where it is not, or a token or position is outside its table
         (the torch path then runs, and says what is wrong)."""
         table = decoder.embed_tokens
-        if (type(table) is not torch.nn.Embedding or table.max_norm is not None
-                or decoder.project_in_dim is not None or decoder.layernorm_embedding is not None
-                or decoder.dropout_module.training
-                or decoder.dropout_module.apply_during_inference
-                or table.weight.dtype != torch.float32 or not table.weight.is_contiguous()):
+        if not plain_input(decoder) or not table.weight.is_contiguous():
             return None
         batch, length = tokens.shape
         offset = decoder.padding_idx + 1
