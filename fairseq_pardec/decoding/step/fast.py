@@ -347,10 +347,7 @@ class FastBlockDecoder(LeanBlockDecoder):
             x = stack.block_input(dec, tokens, start, layout.index, layout.size, first)
             if x is not None:
                 self._reserve(cache, total)
-                self._mark_block(cache, layout, length)
-                x = stack(x, cache, layout.index, bsz, first, length)
-                cache.length = total
-                return final_features(dec, x, time_major=False)
+                return self._native_layers(stack, x, cache, layout, length)
         if steps is None:
             steps = start.unsqueeze(1) + torch.arange(length, device=tokens.device)
         positions = steps + self.padding_idx + 1
@@ -365,10 +362,7 @@ class FastBlockDecoder(LeanBlockDecoder):
 
         self._reserve(cache, total)
         if stack is not None and kernel == NATIVE:
-            self._mark_block(cache, layout, length)
-            x = stack(x, cache, layout.index, bsz, first, length)
-            cache.length = total
-            return final_features(dec, x, time_major=False)
+            return self._native_layers(stack, x, cache, layout, length)
         mask = _additive(self._self_mask(cache, layout, length, block_mask))
         enc_mask = _additive(cache.enc_attend)
         grid = layout.unpack_time_major
@@ -400,6 +394,16 @@ class FastBlockDecoder(LeanBlockDecoder):
             x = layer.ffn(x, kernel)
         cache.length = total
         return final_features(dec, x, time_major=False)
+
+    def _native_layers(self, stack: NativeLayerStack, x: Tensor, cache: FastCache,
+                       layout: BlockLayout, length: int) -> Tensor:
+        """The layers as one native call on the block's input rows ``x`` (the cache has room),
+        then the decoder's final features."""
+        first = cache.length
+        self._mark_block(cache, layout, length)
+        x = stack(x, cache, layout.index, layout.batch, first, length)
+        cache.length = first + length
+        return final_features(self.decoder, x, time_major=False)
 
     @staticmethod
     def _pack(out: Tensor, layout: BlockLayout) -> Tensor:
