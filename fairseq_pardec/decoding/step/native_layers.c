@@ -80,6 +80,11 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale.f;
 }
 
+/* ask for one key's or value's row (a cache line is 16 floats) */
+static inline void prefetch_row(const float *row, int64_t dim) {
+    for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(row + d, 0, 3);
+}
+
 /* softmax(q . k_j) v_j over the keys j < count; flags (or NULL: every key) mark the keys to
  * skip (flags_skip = 1: a nonzero flag skips the key) or to read (flags_skip = 0). q is already
  * scaled; keys and values are (count, DIM) rows; scores: count floats of scratch. DIM is a
@@ -88,10 +93,12 @@ static inline float exp_nonpositive(float x) {
     static void NAME(const float *restrict q, const float *restrict keys,                     \
                      const float *restrict values, int64_t count, int64_t dim,                \
                      const uint8_t *flags, int flags_skip, float *restrict scores,            \
-                     float *restrict out) {                                                   \
+                     float *restrict out, const float *next_keys, const float *next_values,   \
+                     int64_t next_count) {                                                    \
         (void)dim;                                                                             \
         float best = -INFINITY;                                                                \
         for (int64_t j = 0; j < count; j++) {                                                  \
+            if (j < next_count) prefetch_row(next_keys + j * (DIM), (DIM));                    \
             if (flags && ((flags[j] != 0) == flags_skip)) {                                    \
                 scores[j] = -INFINITY;                                                         \
                 continue;                                                                      \
@@ -116,9 +123,11 @@ static inline float exp_nonpositive(float x) {
             const float p = scores[j];                                                         \
             if (p == 0.f) continue; /* a skipped key (or one e^-87 below the best) */          \
             const float *v = values + j * (DIM);                                               \
+            if (j < next_count) prefetch_row(next_values + j * (DIM), (DIM));                  \
             _Pragma("omp simd")                                                                \
             for (int64_t d = 0; d < (DIM); d++) sum[d] += p * v[d];                            \
         }                                                                                      \
+        for (int64_t j = count; j < next_count; j++) prefetch_row(next_values + j * (DIM), (DIM)); \
         const float inv = 1.f / total;                                                         \
         for (int64_t d = 0; d < (DIM); d++) out[d] = sum[d] * inv;                             \
     }
@@ -128,13 +137,17 @@ ATTEND(attend_32, 32)
 ATTEND(attend_any, dim)
 
 static void attend(const float *q, const float *keys, const float *values, int64_t count,
-                   int64_t dim, const uint8_t *flags, int flags_skip, float *scores, float *out) {
+                   int64_t dim, const uint8_t *flags, int flags_skip, float *scores, float *out,
+                   const float *next_keys, const float *next_values, int64_t next_count) {
     if (dim == 64)
-        attend_64(q, keys, values, count, dim, flags, flags_skip, scores, out);
+        attend_64(q, keys, values, count, dim, flags, flags_skip, scores, out, next_keys,
+                  next_values, next_count);
     else if (dim == 32)
-        attend_32(q, keys, values, count, dim, flags, flags_skip, scores, out);
+        attend_32(q, keys, values, count, dim, flags, flags_skip, scores, out, next_keys,
+                  next_values, next_count);
     else
-        attend_any(q, keys, values, count, dim, flags, flags_skip, scores, out);
+        attend_any(q, keys, values, count, dim, flags, flags_skip, scores, out, next_keys,
+                   next_values, next_count);
 }
 
 /* dims: D_COUNT values (see the enum); weights: W_COUNT pointers per layer; eps: 3 per layer;
@@ -211,9 +224,17 @@ void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const do
             const int64_t count = encoder ? keys_seen : first + row_time[n] + 1;
             float scores[count];
             const int64_t from = (b * heads + h) * capacity * head_dim;
+            /* the next task's keys and values are asked for while this one computes */
+            int64_t next_count = 0, next_from = 0;
+            if (task + 1 < rows * heads) {
+                const int64_t n1 = (task + 1) / heads, h1 = (task + 1) % heads;
+                next_count = encoder ? keys_seen : first + row_time[n1] + 1;
+                next_from = (row_batch[n1] * heads + h1) * capacity * head_dim;
+            }
             attend(wide + n * 3 * self_width + h * head_dim, cache_keys + from,
                    cache_values + from, count, head_dim, masked ? masked + b * capacity : NULL, 1,
-                   scores, attended + n * self_width + h * head_dim);
+                   scores, attended + n * self_width + h * head_dim, cache_keys + next_from,
+                   cache_values + next_from, next_count);
         }
         pardec_linear(attended, rows, self_width, PTR(w, W_OUT), PTR(w, W_OUT_B), x, next, model,
                       0, threads);
@@ -236,9 +257,16 @@ void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const do
                 const int64_t b = row_batch[n];
                 float scores[source];
                 const int64_t from = (b * cross_heads + h) * source * cross_dim;
+                int64_t next_from = 0, next_count = 0;
+                if (task + 1 < rows * cross_heads) {
+                    const int64_t n1 = (task + 1) / cross_heads, h1 = (task + 1) % cross_heads;
+                    next_from = (row_batch[n1] * cross_heads + h1) * source * cross_dim;
+                    next_count = source;
+                }
                 attend(wide + n * cross_width + h * cross_dim, enc_keys + from, enc_values + from,
                        source, cross_dim, enc_attend ? enc_attend + b * source : NULL, 0, scores,
-                       attended + n * cross_width + h * cross_dim);
+                       attended + n * cross_width + h * cross_dim, enc_keys + next_from,
+                       enc_values + next_from, next_count);
             }
             pardec_linear(attended, rows, cross_width, PTR(w, W_CO), PTR(w, W_CO_B), x, next,
                           model, 0, threads);
