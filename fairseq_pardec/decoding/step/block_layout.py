@@ -22,11 +22,12 @@ class BlockLayout:
     A block without padding packs as the plain time-major flattening (no copies).
     """
 
-    def __init__(self, block_pad: Tensor):
+    def __init__(self, block_pad: Tensor, dense: Optional[bool] = None):
+        """``dense``: whether ``block_pad`` is all False, where the caller knows (else read)."""
         self.batch, self.length = block_pad.shape
         device = block_pad.device
         grid = self.batch * self.length
-        self.dense = not bool(block_pad.any())
+        self.dense = not bool(block_pad.any()) if dense is None else dense
         self.block_pad = block_pad
         if self.dense:
             self.index: Optional[Tensor] = None

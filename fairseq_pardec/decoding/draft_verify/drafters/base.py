@@ -95,6 +95,9 @@ class Drafter:
     # whether ``observe`` reads its ``features`` and ``tokens`` (the engine gathers them for
     # drafters that do: blockwise decoding's proposal heads)
     observes_features = True
+    # True for a drafter that never drafts (NoDrafter): the engine then builds one-position
+    # blocks directly and keeps no back-off
+    drafts_nothing = False
 
     # The attributes a drafter sets per batch (in ``start``, ``propose``, ``observe``), with
     # their values before any is set. They live in an object of the calling thread, so threads
@@ -161,6 +164,9 @@ class Drafter:
 
 class NoDrafter(Drafter):
     """Drafts nothing: every iteration is one greedy step of the lean engine (``lean_greedy``)."""
+
+    drafts_nothing = True
+    observes_features = False
 
     def propose(self, rows, tokens, n_out, max_len):
         empty = tokens.new_zeros(rows.numel(), 0)
