@@ -18,6 +18,7 @@ from ``--max-len-a/b`` and the padded source length of the batch), so with
 :class:`ExactAcceptance` the output equals fairseq's beam-1 search token for token.
 """
 
+import copy
 import logging
 import math
 from typing import Optional
@@ -125,7 +126,8 @@ class DraftVerifyGenerator(StatsGenerator):
 
         Args:
             lprobs: (N, V) at the block's real positions (packed by ``layout``), modified in place.
-            steps: (B, L) decoder step of each block position.
+            steps: () -> (B, L) decoder step of each block position (called only where an
+                edit needs it: most iterations need none).
             prefix: (B, P) forced prefix tokens (pad = not forced) or None.
             bar_eos_possible: False when every row is past --min-len (skips that edit).
             at_max_possible: False when no block position reaches ``max_len`` (known on the
@@ -133,6 +135,9 @@ class DraftVerifyGenerator(StatsGenerator):
         Returns the (N,) forced tokens (-1 where nothing is forced), or None if none are.
         """
         token_rules(lprobs, self.pad, self.unk, self.unk_penalty)
+        if not (at_max_possible or bar_eos_possible or (prefix is not None and prefix.size(1))):
+            return None
+        steps = steps()
         at_max_grid = steps >= max_len
         at_max = None
         if at_max_possible and bool(at_max_grid.any()):
@@ -221,10 +226,10 @@ class DraftVerifyGenerator(StatsGenerator):
         self.stats.decoder_calls += 1
         self.stats.row_iterations += block.rows
         self.stats.positions_verified += lprobs.size(0)
-        steps = batch.n_out.unsqueeze(1) + block.cols
         # the longest row's last block position is the furthest step: no read of the device
         furthest = batch.longest + block.width
-        forced = self._adjust(lprobs, steps, block.layout, batch.max_len, batch.prefix,
+        forced = self._adjust(lprobs, lambda: batch.n_out.unsqueeze(1) + block.cols,
+                              block.layout, batch.max_len, batch.prefix,
                               bar_eos_possible=batch.iteration < self.min_len,
                               at_max_possible=furthest >= batch.max_len)
         batch.iteration += 1
@@ -440,6 +445,8 @@ class _Batch:
         self.prev_score = [0.0] * bsz
         self.cache = generator.block_decoder.new_state()
         self.backoff = DraftBackoff(bsz) if generator.backoff else None
+        # row count -> a block without drafts, less its tokens (_Block.last_tokens)
+        self.plain_blocks = {}
         self.finalized = [[] for _ in range(bsz)]
         # every active row has gained >= 1 token per iteration: n_out >= iteration
         self.iteration = 0
@@ -473,21 +480,25 @@ class _Block:
     def last_tokens(cls, batch: _Batch, pad: int) -> "_Block":
         """The block without drafts, each row's last accepted token (a greedy step), built in a
         few operations: at batch 32 the general constructor's dozen cost 3% of an iteration."""
-        block = cls.__new__(cls)
         rows = batch.tokens.size(0)
-        device = batch.tokens.device
-        block.draft = batch.tokens.new_zeros(rows, 0)
-        block.draft_len = block.drafted = batch.tokens.new_zeros(rows)
-        block.q = None
-        block.rows, block.width = rows, 0
-        block.ar = torch.arange(rows, device=device)
+        template = batch.plain_blocks.get(rows)
+        if template is None:
+            # what depends on the number of rows only: built once per row count and batch
+            template = batch.plain_blocks[rows] = cls.__new__(cls)
+            device = batch.tokens.device
+            template.draft = batch.tokens.new_zeros(rows, 0)
+            template.draft_len = template.drafted = batch.tokens.new_zeros(rows)
+            template.q = None
+            template.rows, template.width = rows, 0
+            template.ar = torch.arange(rows, device=device)
+            template.cols = torch.zeros(1, dtype=torch.long, device=device)
+            template.pad = torch.zeros(rows, 1, dtype=torch.bool, device=device)
+            template.layout = BlockLayout(template.pad, dense=True)
+            template.draft_valid = template.pad[:, 1:]
+            template.draft_pos = template.draft
+            template.padded_draft = batch.tokens.new_full((rows, 1), pad)
+        block = copy.copy(template)
         block.tokens = batch.tokens.gather(1, batch.n_out.unsqueeze(1))
-        block.cols = torch.zeros(1, dtype=torch.long, device=device)
-        block.pad = torch.zeros(rows, 1, dtype=torch.bool, device=device)
-        block.layout = BlockLayout(block.pad, dense=True)
-        block.draft_valid = block.pad[:, 1:]
-        block.draft_pos = block.draft
-        block.padded_draft = batch.tokens.new_full((rows, 1), pad)
         return block
 
     def __init__(self, batch: _Batch, draft: Tensor, draft_len: Tensor, drafted: Tensor,
