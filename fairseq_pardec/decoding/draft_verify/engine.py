@@ -220,8 +220,10 @@ class DraftVerifyGenerator(StatsGenerator):
         work runs on the block's real positions only. Returns the features, the (N, V) packed
         log-probabilities after fairseq's per-step edits, and the forced tokens (or None)."""
         with batch.verifier_timer:
+            encoder_out = (batch.encoder_out if self.block_decoder.reads_encoder_out(batch.cache)
+                           else None)
             features = self.block_decoder.forward_packed(block.tokens, batch.n_out, block.layout,
-                                                         batch.encoder_out, batch.cache)
+                                                         encoder_out, batch.cache)
             lprobs = self.block_decoder.log_probs(features, self.temperature)
         self.stats.decoder_calls += 1
         self.stats.row_iterations += block.rows
@@ -428,9 +430,12 @@ class _Batch:
                  encoder_out, prefix: Optional[Tensor], device):
         self.generator = generator
         self.max_len = max_len
-        self.encoder_out = encoder_out
         self.prefix = prefix  # (B, P) forced prefix tokens, pad = not forced; or None
         self.rows = torch.arange(bsz, device=device)  # active row -> row of the batch
+        # the encoder's output for the batch's rows; for the active rows it is reordered when
+        # read (``encoder_out``): the fast step reads it once, when the batch starts
+        self._encoder_out_all = encoder_out
+        self._encoder_out = (self.rows, encoder_out)
         # accepted tokens after BOS, and their cumulative scores
         self.tokens = torch.full((bsz, max_len + 2), generator.pad, dtype=torch.long,
                                  device=device)
@@ -468,9 +473,17 @@ class _Batch:
         if self.backoff is not None:
             self.backoff.keep(alive)
         if alive.numel() > 0:
-            generator = self.generator
-            generator.block_decoder.reorder(self.cache, alive)
-            self.encoder_out = generator.model.encoder.reorder_encoder_out(self.encoder_out, alive)
+            self.generator.block_decoder.reorder(self.cache, alive)
+
+    @property
+    def encoder_out(self):
+        """The encoder's output for the active rows."""
+        rows, encoder_out = self._encoder_out
+        if rows is not self.rows:
+            encoder_out = self.generator.model.encoder.reorder_encoder_out(
+                self._encoder_out_all, self.rows)
+            self._encoder_out = (self.rows, encoder_out)
+        return encoder_out
 
 
 class _Block:

@@ -168,6 +168,11 @@ class BlockDecoder:
         for attn in self.self_attns:
             yield attn, attn._get_input_buffer(incremental_state)
 
+    def reads_encoder_out(self, state) -> bool:
+        """Whether the next ``forward_packed`` on ``state`` reads its ``encoder_out`` (else the
+        caller may pass None: the state holds what it needs)."""
+        return True
+
     def cache_length(self, incremental_state: IncrementalState) -> int:
         buf = self.self_attns[0]._get_input_buffer(incremental_state)
         key = buf.get("prev_key")

@@ -82,7 +82,9 @@ class _Layer:
         self.cross_heads, self.cross_head_dim = cross.num_heads, cross.head_dim
         self.cross_q = Linear(cross.q_proj.weight * cross.scaling, cross.q_proj.bias * cross.scaling)
         self.cross_out = Linear(cross.out_proj.weight, cross.out_proj.bias)
-        self.cross_k, self.cross_v = cross.k_proj, cross.v_proj
+        # the encoder's keys and values in one product, once per batch
+        self.cross_kv = Linear(torch.cat([cross.k_proj.weight, cross.v_proj.weight]),
+                               torch.cat([cross.k_proj.bias, cross.v_proj.bias]))
         self.ffn = FeedForward(layer)
         self.pre_norm = layer.normalize_before
         self.norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm)
@@ -265,12 +267,14 @@ class FastBlockDecoder(LeanBlockDecoder):
         cache.enc_attend = None
         if enc_pad is not None and bool(enc_pad.any()):
             cache.enc_attend = (~enc_pad.bool()).view(bsz, 1, 1, -1)
+        source = enc.size(0)
+        enc = enc.reshape(source * bsz, -1)
         for layer in self._prepared():
             heads, head_dim = layer.cross_heads, layer.cross_head_dim
-            k = layer.cross_k(enc).view(-1, bsz, heads, head_dim).permute(1, 2, 0, 3).contiguous()
-            v = layer.cross_v(enc).view(-1, bsz, heads, head_dim).permute(1, 2, 0, 3).contiguous()
-            cache.enc_keys.append(k)
-            cache.enc_values.append(v)
+            kv = layer.cross_kv(enc, self.kernels.kernel_for(enc.size(0)))
+            kv = kv.view(source, bsz, 2, heads, head_dim).permute(2, 1, 3, 0, 4)
+            cache.enc_keys.append(kv[0].contiguous())
+            cache.enc_values.append(kv[1].contiguous())
             shape = (bsz, layer.heads, _INITIAL_CAPACITY, layer.head_dim)
             cache.keys.append(torch.zeros(shape, device=device, dtype=dtype))
             cache.values.append(torch.zeros(shape, device=device, dtype=dtype))
@@ -416,6 +420,10 @@ class FastBlockDecoder(LeanBlockDecoder):
         return layout.unpack(self.forward_packed(tokens, start, layout, encoder_out, cache))
 
     # ------------------------------------------------------------------ cache surgery
+    def reads_encoder_out(self, cache: FastCache) -> bool:
+        # the encoder's keys and values are projected into the cache when the batch starts
+        return not cache.keys
+
     def cache_length(self, cache: FastCache) -> int:
         return cache.length
 
