@@ -36,21 +36,28 @@ def test_backoff_schedule():
 
 @pytest.mark.parametrize("batch_size", [1, 32])
 def test_model_that_never_copies_costs_about_a_greedy_step(batch_size):
-    """An untrained model copies nothing its source offers: with the back-off, iad verifies few
-    positions beyond one per token, and its output stays fairseq's."""
+    """An untrained model copies nothing its source offers: with the back-off, or with the CPU's
+    price of a draft position (AdaptiveCaps' threshold), iad verifies few positions beyond one
+    per token, and its output stays fairseq's."""
     d = make_dictionary(50)
     model = tiny_transformer(make_task(d), seed=2)
     sample = random_batch(d, [40 + (i * 7) % 40 for i in range(batch_size)], seed=2)
     expected = fairseq_greedy(model, d, sample, max_len_a=1.2, max_len_b=10)
     cost = {}
-    for backoff in (False, True):
-        generator = DraftVerifyGenerator([model], d, CopyDrafter(d, d, adaptive=True),
-                                         ExactAcceptance(), max_len_a=1.2, max_len_b=10,
-                                         backoff=backoff)
+    for backoff, paying in ((False, False), (True, False), (False, True), (True, True)):
+        drafter = CopyDrafter(d, d, adaptive=True)
+        if not paying:  # the caps follow acceptance only (no price of a position on the CPU)
+            drafter.CPU_FIXED = None
+        generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(),
+                                         max_len_a=1.2, max_len_b=10, backoff=backoff)
         assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
         stats = generator.stats
         assert stats.tokens_per_iteration < 1.05  # it does not copy
-        cost[backoff] = stats.positions_verified / stats.target_tokens
-    assert cost[False] > 1.7  # without the back-off the rejected drafts are verified
+        cost[backoff, paying] = stats.positions_verified / stats.target_tokens
+    # without the back-off and without pricing positions the rejected drafts are verified
+    assert cost[False, False] > 1.7
     # the first draft has no history to go by (up to 16 positions); the rest are probes
-    assert cost[True] < (1.45 if batch_size == 1 else 1.2)
+    assert cost[True, False] < (1.45 if batch_size == 1 else 1.2)
+    # a row whose estimated acceptance falls below a position's price stops drafting too
+    assert cost[False, True] < (1.45 if batch_size == 1 else 1.2)
+    assert cost[True, True] < (1.45 if batch_size == 1 else 1.2)

@@ -1,8 +1,12 @@
-"""The IAD copy drafter's matching rule and dictionary mapping."""
+"""The IAD copy drafter's matching rule, dictionary mapping and draft caps."""
 
+import math
+
+import pytest
 import torch
 
 from fairseq_pardec.decoding.draft_verify.drafters import CopyDrafter, SourceVocabularyMap
+from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps
 
 from helpers import collate, make_dictionary
 
@@ -162,3 +166,47 @@ def test_generate_time_refusals_name_the_generator():
     generator = GENERATORS["iad"](task, [model], args)
     with pytest.raises(ValueError, match="--generator iad does not support --constraints"):
         generator.generate([model], random_batch(d, [3]), constraints=torch.zeros(1, 1))
+
+
+def test_paying_length_follows_the_acceptance_rate_and_the_price():
+    """With a threshold (the CPU's price of a draft position, as a probability of acceptance)
+    a row drafts the longest length whose last position is still accepted with about that
+    probability, from its estimated per-position rate; a row left at no draft probes with one
+    token after PROBE_AFTER iterations."""
+    caps = AdaptiveCaps(1, float("inf"), "cpu")
+    rate = caps.acceptance_rate(0)
+    assert rate == pytest.approx(0.95)  # the prior
+    assert caps.host_caps([0]) == [AdaptiveCaps.CEILING + 1]  # no threshold: uncapped
+    assert caps.host_caps([0], 0.5) == [int(math.log(0.5) / math.log(rate))]
+    caps.host_update([0], [4], [1])  # one token accepted, then a rejection
+    rate = caps.acceptance_rate(0)
+    assert rate == pytest.approx(1.95 / 3.0)
+    assert caps.host_caps([0], 0.5) == [1]  # log 0.5 / log 0.65 = 1.6 (mean 1: cap 3)
+    assert caps.host_caps([0], 0.9) == [0]
+    waits = [caps.host_caps([0], 0.9)[0] for _ in range(AdaptiveCaps.PROBE_AFTER)]
+    assert waits == [0] * (AdaptiveCaps.PROBE_AFTER - 1) + [1]  # the probe
+    # a row whose drafts (probes first) keep being accepted drafts longer and longer
+    lengths = []
+    for _ in range(60):
+        length = caps.host_caps([0], 0.9)[0]
+        lengths.append(length)
+        caps.host_update([0], [length], [length])
+    drafts = [n for n in lengths if n > 0]
+    assert drafts == sorted(drafts) and drafts[-1] > 4
+
+
+def test_cpu_price_of_a_position_grows_with_the_active_rows():
+    """On the CPU an adaptive drafter's threshold is R / (R + CPU_FIXED) for R active rows: a
+    fresh row drafts long at batch 1 and little at batch 32; --block-size, or CPU_FIXED None,
+    leaves the caps to acceptance alone."""
+    d = make_dictionary(12)
+    drafter = drafter_for(["w%d" % i for i in range(1, 12)], d)
+    drafter.adaptive = True
+    rows = list(range(32))
+    drafter.caps = AdaptiveCaps(32, float("inf"), "cpu")
+    room = torch.full((32,), 100)
+    one = drafter._row_caps(rows[:1], room[:1], 100)[0]
+    many = drafter._row_caps(rows, room, 100)
+    assert one == int(math.log(1 / 3) / math.log(0.95)) and max(many) <= 1
+    drafter.CPU_FIXED = None
+    assert drafter._row_caps(rows, room, 100) == [100] * 32

@@ -23,6 +23,14 @@ from helpers import collate, make_dictionary, make_task, tiny_transformer
 from test_blockwise import blockwise_model
 from test_gad import drafter_model
 
+def drafting_copier(d):
+    """iad's adaptive drafter without the CPU's price of a draft position: these cases test
+    the acceptance of drafts, so every draft the caps allow is made."""
+    drafter = CopyDrafter(d, d, adaptive=True)
+    drafter.CPU_FIXED = None
+    return drafter
+
+
 MAX_LEN_B = 3  # outputs of at most 3 tokens, then EOS: a few hundred possible sequences
 ALPHA = 1e-3
 
@@ -107,7 +115,7 @@ def setup():
 def test_iad_samples_fairseqs_distribution(setup, setting, batch):
     d, task, verifier, reference = setup
     n = 2000 if batch == 16 else 300
-    counts, stats = ours_counts(verifier, d, CopyDrafter(d, d, adaptive=True), one_source(d, batch),
+    counts, stats = ours_counts(verifier, d, drafting_copier(d), one_source(d, batch),
                                 n, *setting)
     assert chi_square_pvalue(reference[setting], counts) > ALPHA
     assert stats.tokens_per_iteration > 1.0  # drafts were accepted: the path was exercised
@@ -148,7 +156,7 @@ def test_negative_control_biased_acceptance_is_detected(setup, monkeypatch):
         return original(self, draft, draft_valid, (2 * p_draft).clamp(max=1.0), q_draft)
 
     monkeypatch.setattr(SpeculativeSampler, "accept", biased)
-    counts, _ = ours_counts(verifier, d, CopyDrafter(d, d, adaptive=True), one_source(d, 64), 2000,
+    counts, _ = ours_counts(verifier, d, drafting_copier(d), one_source(d, 64), 2000,
                             *SETTINGS[0])
     assert chi_square_pvalue(reference[SETTINGS[0]], counts) < ALPHA
 

@@ -213,6 +213,8 @@ class DraftVerifyGenerator(StatsGenerator):
         q = self.drafter.draft_probs if self.sampler is not None else None
         draft, draft_len, q = self._force_prefix_draft(draft, drafted, batch.n_out, batch.prefix,
                                                        room, q)
+        if draft.size(1) == 0 and q is None:  # no row drafted: a plain step
+            return _Block.last_tokens(batch, self.pad)
         return _Block(batch, draft, draft_len, drafted, q, self.pad)
 
     def _verify(self, batch: "_Batch", block: "_Block"):

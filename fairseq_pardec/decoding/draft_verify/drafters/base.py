@@ -6,7 +6,7 @@ A drafter gets the batch once (``start``) and is then asked, every iteration, fo
 
 import math
 import threading
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -32,14 +32,28 @@ class AdaptiveCaps:
     On the CPU the means are a Python list (double precision too), read and updated with a few
     list operations per row where tensor operations cost a few microseconds each; elsewhere they
     stay on the device, so that no iteration reads the device for them.
+
+    On the CPU a caller may also name a *threshold* (``host_caps``): the least probability of
+    acceptance at which a draft position pays for its verification. Each row then keeps an
+    estimate of its per-position acceptance rate p (counts of accepted draft tokens and of first
+    rejections, earlier drafts weighted down by RATE_DECAY, after a prior of 0.95): the j-th draft
+    token is accepted with probability about p^j, so the row drafts at most the longest length
+    whose last position still reaches the threshold. A row left at no draft by it probes with
+    one token after ``PROBE_AFTER`` iterations, so that its estimate can recover.
     """
 
     CEILING = 2 ** 30
+    PRIOR_ACCEPTED, PRIOR_REJECTED = 0.95, 0.05
+    RATE_DECAY = 0.75  # weight of a row's earlier drafts in its acceptance rate, per draft
+    PROBE_AFTER = 8
 
     def __init__(self, rows: int, initial: float, device):
         self.on_host = torch.device(device).type == "cpu"
         if self.on_host:
             self.mean = [float(initial)] * rows
+            self.accepted = [0.0] * rows
+            self.rejected = [0.0] * rows
+            self.idle = [0] * rows
         else:
             self.mean = torch.full((rows,), float(initial), dtype=torch.float64, device=device)
 
@@ -49,10 +63,33 @@ class AdaptiveCaps:
             return torch.tensor(self.host_caps(rows.tolist()), dtype=torch.long)
         return (2 * self.mean[rows]).clamp(max=self.CEILING).long() + 1
 
-    def host_caps(self, rows: List[int]) -> List[int]:
-        """``caps`` on the host (CPU only)."""
+    def host_caps(self, rows: List[int], threshold: Optional[float] = None) -> List[int]:
+        """``caps`` on the host (CPU only); with a ``threshold``, each row's cap also stops
+        where its next position would be accepted with a lower probability. Called once per
+        iteration (it counts a row's iterations without a draft)."""
         mean = self.mean
-        return [int(min(2 * mean[r], self.CEILING)) + 1 for r in rows]
+        caps = [int(min(2 * mean[r], self.CEILING)) + 1 for r in rows]
+        if threshold is None:
+            return caps
+        return [min(cap, self._paying_length(r, threshold, cap)) for r, cap in zip(rows, caps)]
+
+    def acceptance_rate(self, row: int) -> float:
+        """The row's estimated probability that a draft token is accepted, given the ones
+        before it were (CPU only)."""
+        accepted = self.accepted[row] + self.PRIOR_ACCEPTED
+        return accepted / (accepted + self.rejected[row] + self.PRIOR_REJECTED)
+
+    def _paying_length(self, row: int, threshold: float, cap: int) -> int:
+        rate = self.acceptance_rate(row)
+        length = int(math.log(threshold) / math.log(rate)) if 0.0 < threshold < 1.0 else 0
+        if length >= 1:
+            self.idle[row] = 0
+            return length
+        self.idle[row] += 1
+        if self.idle[row] > self.PROBE_AFTER:
+            self.idle[row] = 0
+            return 1
+        return 0
 
     def update(self, rows: Tensor, drafted: Tensor, accepted: Tensor):
         """After a verification: ``drafted`` (B,) draft lengths, ``accepted`` (B,) draft tokens
@@ -68,11 +105,13 @@ class AdaptiveCaps:
 
     def host_update(self, rows: List[int], drafted: List[int], accepted: List[int]):
         """``update`` on the host (CPU only), with the same double-precision arithmetic."""
-        mean = self.mean
+        mean, rate_accepted, rate_rejected = self.mean, self.accepted, self.rejected
         for r, tried, kept in zip(rows, drafted, accepted):
             if tried > 0:
                 kept = float(min(kept, tried))
                 mean[r] = kept if math.isinf(mean[r]) else 0.5 * (mean[r] + kept)
+                rate_accepted[r] = self.RATE_DECAY * rate_accepted[r] + kept
+                rate_rejected[r] = self.RATE_DECAY * rate_rejected[r] + (kept < tried)
 
 
 _THREADS_LOCK = threading.Lock()

@@ -227,9 +227,9 @@ class LookupDrafter(CopyDrafter):
     def propose(self, rows, tokens, n_out, max_len):
         drafts = []
         row_ids, lengths = rows.tolist(), n_out.tolist()
-        self._read_new_tokens(row_ids, tokens, lengths)
-        ceiling = self._ceiling(len(row_ids))
-        for row, cap in zip(row_ids, self._row_caps(row_ids, max_len, ceiling)):
+        caps = self._row_caps(row_ids, max_len, self._ceiling(len(row_ids)))
+        self._read_drafting_rows(row_ids, tokens, lengths, caps)
+        for row, cap in zip(row_ids, caps):
             draft = self._local(row, cap) if cap > 0 else []
             if not draft and cap > 0 and self.table is not None:
                 draft = self.table.continuation(self.outputs[row], cap)

@@ -63,6 +63,14 @@ class CopyDrafter(Drafter):
     CPU_POSITIONS = 64
     CPU_MIN_CEILING = 6
     CPU_MAX_CEILING = 16
+    # On the CPU (adaptive caps) a draft position must also pay for its verification: with R
+    # active rows it does where it is accepted with probability at least R / (R + CPU_FIXED),
+    # CPU_FIXED being what an iteration costs beyond its verified positions, in positions
+    # (AdaptiveCaps.host_caps). At batch 1 an iteration's fixed cost dominates and long drafts
+    # pay; at batch 32 the products are bound by arithmetic and only near-certain positions do.
+    # Chosen by measurement (docs/results.md, "Drafts that pay at batch 32"); None: no such
+    # threshold (the caps follow acceptance only).
+    CPU_FIXED = 2.0
     # On a GPU a longer block costs about as much as one token, so rows may draft what remains
     # of their source, within a budget of block positions per iteration: the verifier holds a
     # (positions, vocabulary) tensor of log-probabilities, which for 64 rows x 200 source
@@ -139,8 +147,13 @@ class CopyDrafter(Drafter):
         if ceiling is not None:
             caps = [min(cap, ceiling) for cap in caps]
         if self.adaptive:
-            own = (self.caps.host_caps(rows) if self.caps.on_host
-                   else self.caps.caps(torch.tensor(rows, device=self.caps.mean.device)).tolist())
+            if self.caps.on_host:
+                threshold = None
+                if self.block_size is None and self.CPU_FIXED is not None:
+                    threshold = len(rows) / (len(rows) + self.CPU_FIXED)
+                own = self.caps.host_caps(rows, threshold)
+            else:
+                own = self.caps.caps(torch.tensor(rows, device=self.caps.mean.device)).tolist()
             caps = [min(cap, mine) for cap, mine in zip(caps, own)]
         return caps
 
@@ -166,12 +179,23 @@ class CopyDrafter(Drafter):
             if count > 0:
                 self.outputs[row].extend(values[:count])
 
+    def _read_drafting_rows(self, row_ids: List[int], tokens: Tensor, lengths: List[int],
+                            caps: List[int]):
+        """Bring the outputs of the rows that may draft now up to date (a row's tokens are
+        read when it next drafts: at batch 32 on the CPU most rows draft nothing)."""
+        drafting = [i for i, cap in enumerate(caps) if cap > 0]
+        if len(drafting) == len(row_ids):
+            self._read_new_tokens(row_ids, tokens, lengths)
+        elif drafting:
+            self._read_new_tokens([row_ids[i] for i in drafting], tokens[drafting],
+                                  [lengths[i] for i in drafting])
+
     def propose(self, rows, tokens, n_out, max_len):
         drafts = []
         row_ids, lengths = rows.tolist(), n_out.tolist()
-        self._read_new_tokens(row_ids, tokens, lengths)
-        ceiling = self._ceiling(len(row_ids))
-        for row, n, limit in zip(row_ids, lengths, self._row_caps(row_ids, max_len, ceiling)):
+        caps = self._row_caps(row_ids, max_len, self._ceiling(len(row_ids)))
+        self._read_drafting_rows(row_ids, tokens, lengths, caps)
+        for row, n, limit in zip(row_ids, lengths, caps):
             output = self.outputs[row]
             at = self._match(row, output) if limit > 0 else None
             if at is None:
