@@ -71,7 +71,7 @@ class AdaptiveCaps:
         caps = [int(min(2 * mean[r], self.CEILING)) + 1 for r in rows]
         if threshold is None:
             return caps
-        return [min(cap, self._paying_length(r, threshold, cap)) for r, cap in zip(rows, caps)]
+        return [min(cap, self._paying_length(r, threshold)) for r, cap in zip(rows, caps)]
 
     def acceptance_rate(self, row: int) -> float:
         """The row's estimated probability that a draft token is accepted, given the ones
@@ -79,7 +79,7 @@ class AdaptiveCaps:
         accepted = self.accepted[row] + self.PRIOR_ACCEPTED
         return accepted / (accepted + self.rejected[row] + self.PRIOR_REJECTED)
 
-    def _paying_length(self, row: int, threshold: float, cap: int) -> int:
+    def _paying_length(self, row: int, threshold: float) -> int:
         rate = self.acceptance_rate(row)
         length = int(math.log(threshold) / math.log(rate)) if 0.0 < threshold < 1.0 else 0
         if length >= 1:

@@ -68,8 +68,8 @@ class CopyDrafter(Drafter):
     # CPU_FIXED being what an iteration costs beyond its verified positions, in positions
     # (AdaptiveCaps.host_caps). At batch 1 an iteration's fixed cost dominates and long drafts
     # pay; at batch 32 the products are bound by arithmetic and only near-certain positions do.
-    # Chosen by measurement (docs/results.md, "Drafts that pay at batch 32"); None: no such
-    # threshold (the caps follow acceptance only).
+    # Chosen by measurement (docs/results.md, "Batch 32: cheaper iterations, and drafts that
+    # pay"); None: no such threshold (the caps follow acceptance only).
     CPU_FIXED = 2.0
     # On a GPU a longer block costs about as much as one token, so rows may draft what remains
     # of their source, within a budget of block positions per iteration: the verifier holds a
