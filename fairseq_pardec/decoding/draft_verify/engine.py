@@ -18,7 +18,6 @@ from ``--max-len-a/b`` and the padded source length of the batch), so with
 :class:`ExactAcceptance` the output equals fairseq's beam-1 search token for token.
 """
 
-import copy
 import logging
 import math
 from typing import Optional
@@ -512,7 +511,8 @@ class _Block:
             template.draft_valid = template.pad[:, 1:]
             template.draft_pos = template.draft
             template.padded_draft = batch.tokens.new_full((rows, 1), pad)
-        block = copy.copy(template)
+        block = cls.__new__(cls)
+        block.__dict__.update(template.__dict__)
         block.tokens = batch.tokens.gather(1, batch.n_out.unsqueeze(1))
         return block
 

@@ -121,9 +121,10 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
     # indexed write each (a torch index_put_ with its index tensors cost five times as much)
     batch.tokens.numpy()[rows, np.add(cols, 1)] = tokens
     batch.cum_scores.numpy()[rows, cols] = scores
-    gained_t = torch.tensor(gained)
-    batch.n_out_host += gained_t
+    n_out_host = batch.n_out_host.numpy()
+    n_out_host += gained
     batch.n_out = batch.n_out_host.to(device, copy=True)  # never the same tensor
+    gained_t = torch.from_numpy(np.asarray(gained, dtype=np.int64))
     longest, fewest = max(n + g for n, g in zip(n_out, gained)), min(gained)
     batch.longest = longest
     if batch.backoff is not None:
