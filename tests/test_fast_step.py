@@ -3,6 +3,7 @@ keeps the engine's outputs equal to fairseq greedy wherever that bound could cha
 
 import pytest
 import torch
+from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.draft_verify import margin_guard
@@ -247,7 +248,9 @@ def test_replayed_decision_is_sequence_generators(model_kind, monkeypatch):
     """A close call's decision replayed with the lean step (margin_guard._replayed_decision)
     is the one fairseq's SequenceGenerator makes, with --unkpen, --min-len (above the step,
     where SequenceGenerator alone needs a longer search) and a temperature; on the twin-token
-    model many of these decisions are exact ties broken by rounding."""
+    model many of these decisions are exact ties broken by rounding. With a bound on the
+    prefix's score from the caller (the prefix steps then only fill the cache), tight or loose,
+    the decision is the same."""
     if model_kind == "twin-tokens":
         model, d = twin_vocabulary_model(seed=4)
     else:
@@ -269,9 +272,27 @@ def test_replayed_decision_is_sequence_generators(model_kind, monkeypatch):
                 with torch.no_grad():
                     monkeypatch.setattr(margin_guard, "_REPLAY", True)
                     replayed = fairseq_decision(generator, src, decided)
+                    bounded = [fairseq_decision(generator, src, decided, score_bound=bound)
+                               for bound in (prefix_score(generator, src, decided) + 1e-3, 1e4)]
                     monkeypatch.setattr(margin_guard, "_REPLAY", False)
                     searched = fairseq_decision(generator, src, decided)
                 assert replayed == searched, (unk_penalty, min_len, steps)
+                assert bounded == [searched, searched], (unk_penalty, min_len, steps)
+
+
+def prefix_score(generator, src, decided) -> float:
+    """The size of fairseq's own score of the forced tokens ``decided``: its positional scores
+    (the forced tokens' log-probabilities as its search computes them), summed."""
+    if decided.numel() == 0:
+        return 0.0
+    search = SequenceGenerator(
+        [generator.model], generator.tgt_dict, beam_size=1, max_len_a=0,
+        max_len_b=max(decided.numel() + 1, generator.min_len), min_len=generator.min_len,
+        unk_penalty=generator.unk_penalty, temperature=generator.temperature)
+    src = src[src.ne(generator.src_pad)].unsqueeze(0)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([src.size(1)])}}
+    hypo = search.generate([generator.model], sample, prefix_tokens=decided.unsqueeze(0))[0][0]
+    return float(hypo["positional_scores"][: decided.numel()].sum().abs())
 
 
 def test_kernel_pinned_from_the_environment(monkeypatch):

@@ -93,8 +93,11 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
                 # fairseq's own arithmetic decides; the row's acceptance ends here
                 decided = torch.cat([batch.tokens[r, 1: n_out[r] + 1],
                                      block.draft[r, :j]])
+                # fairseq's score of the decided tokens differs from the fast step's by at
+                # most a margin per token
+                bound = abs(float(score)) + (n_out[r] + j + 1) * generator.margin
                 token = fairseq_decision(generator, sample["net_input"]["src_tokens"][
-                    batch.rows[r]], decided, bos_token)
+                    batch.rows[r]], decided, bos_token, score_bound=bound)
                 lp = float(lprobs[at, token])
                 generator.stats.close_calls += 1
             score = _f32(score + _f32(lp))

@@ -155,7 +155,8 @@ class LeanBlockDecoder(BlockDecoder):
         return out.transpose(0, 1).contiguous().view(length, bsz, embed_dim)
 
     def forward_packed(self, tokens, start, layout: BlockLayout, encoder_out, cache: LeanCache,
-                       steps: Optional[Tensor] = None, block_mask: Optional[Tensor] = None):
+                       steps: Optional[Tensor] = None, block_mask: Optional[Tensor] = None,
+                       cache_only: bool = False):
         """Features (N, d) at the block's real positions, packed as ``layout`` says.
 
         Position-wise work (projections, feed-forward, layer norms) runs on the real positions
@@ -166,6 +167,9 @@ class LeanBlockDecoder(BlockDecoder):
         causal. A block-causal drafter (``glat_drafter`` with block-causal attention) gives its
         own (B, L) ``steps`` and an additive (L, L) ``block_mask`` for attention inside the block
         (the cache stays visible to every position).
+
+        ``cache_only``: only what later calls read is computed, every layer's keys and values
+        (the last layer's query, attention and feed-forward are skipped), and None is returned.
         """
         dec = self.decoder
         bsz, length = tokens.size()
@@ -200,26 +204,23 @@ class LeanBlockDecoder(BlockDecoder):
             masked = torch.cat([masked, block_pad], dim=1)
         cache.masked = masked
 
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             heads, head_dim = attn.num_heads, attn.head_dim
             residual = x
             if layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
+            if cache_only and i == last:
+                self._append_keys_values(cache, i, grid(attn.k_proj(x)), grid(attn.v_proj(x)),
+                                         bsz, heads, head_dim, cached)
+                return None
             q = grid(attn.q_proj(x))
             k = grid(attn.k_proj(x))
             v = grid(attn.v_proj(x))
             q *= attn.scaling
             q = q.contiguous().view(length, bsz * heads, head_dim).transpose(0, 1)
-            k = k.contiguous().view(-1, bsz * heads, head_dim).transpose(0, 1)
-            v = v.contiguous().view(-1, bsz * heads, head_dim).transpose(0, 1)
-            if cached:
-                k = torch.cat([cache.keys[i], k], dim=1)
-                v = torch.cat([cache.values[i], v], dim=1)
-                cache.keys[i], cache.values[i] = k, v
-            else:
-                cache.keys.append(k)
-                cache.values.append(v)
+            k, v = self._append_keys_values(cache, i, k, v, bsz, heads, head_dim, cached)
             x = attn.out_proj(ungrid(self._attend(q, k, v, bsz, length, attn.embed_dim, causal, masked)))
             x = residual + x
             if not layer.normalize_before:
@@ -252,6 +253,22 @@ class LeanBlockDecoder(BlockDecoder):
         if dec.project_out_dim is not None:
             x = dec.project_out_dim(x)
         return x
+
+    @staticmethod
+    def _append_keys_values(cache: LeanCache, i: int, k: Tensor, v: Tensor, bsz: int, heads: int,
+                            head_dim: int, cached: int) -> Tuple[Tensor, Tensor]:
+        """Layer ``i``'s keys and values (L, B, C) appended to its cache (as fairseq's
+        incremental attention concatenates them); returns the layer's whole keys and values."""
+        k = k.contiguous().view(-1, bsz * heads, head_dim).transpose(0, 1)
+        v = v.contiguous().view(-1, bsz * heads, head_dim).transpose(0, 1)
+        if cached:
+            k = torch.cat([cache.keys[i], k], dim=1)
+            v = torch.cat([cache.values[i], v], dim=1)
+            cache.keys[i], cache.values[i] = k, v
+        else:
+            cache.keys.append(k)
+            cache.values.append(v)
+        return k, v
 
     def forward_block(self, tokens, start, block_pad, encoder_out, cache: LeanCache):
         layout = BlockLayout(block_pad)
