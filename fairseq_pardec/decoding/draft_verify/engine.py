@@ -20,7 +20,7 @@ from ``--max-len-a/b`` and the padded source length of the batch), so with
 
 import logging
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -174,7 +174,8 @@ class DraftVerifyGenerator(StatsGenerator):
             else:
                 n_acc, verifier, before = self._accept(batch, block, lprobs, forced, sample,
                                                        bos_token)
-                done = self._commit(batch, block, features, lprobs, n_acc, verifier, before)
+                done = self._commit(batch, block, features, lprobs, n_acc, verifier,
+                                    before).tolist()
             self._retire(batch, done)
         return batch.finalized
 
@@ -314,13 +315,17 @@ class DraftVerifyGenerator(StatsGenerator):
                                     keep_range=(int(gained_host.min()), int(gained_host.max())))
         return done.bool()
 
-    def _retire(self, batch: "_Batch", done):
-        """5. Finalize the rows that emitted EOS (``done``, on the host) and drop them."""
-        if bool(done.any()):
-            for r in done.nonzero().view(-1).tolist():
+    def _retire(self, batch: "_Batch", done: List[bool]):
+        """5. Finalize the rows that emitted EOS (``done``, per active row) and drop them."""
+        if any(done):
+            alive = []
+            for r, ended in enumerate(done):
+                if not ended:
+                    alive.append(r)
+                    continue
                 batch.finalized[int(batch.rows[r])] = [self._hypothesis(
                     batch.tokens[r], batch.cum_scores[r], int(batch.n_out_host[r]))]
-            batch.keep((~done).nonzero().view(-1))
+            batch.keep(torch.tensor(alive, dtype=torch.long))
         self.block_decoder.compact(batch.cache, self.compact_holes)
 
     def _guarded(self) -> bool:
@@ -453,6 +458,8 @@ class _Batch:
         self.backoff = DraftBackoff(bsz) if generator.backoff else None
         # row count -> a block without drafts, less its tokens (_Block.last_tokens)
         self.plain_blocks = {}
+        # (row count, count) -> (B,) tensor of count (uniform_gains)
+        self._uniform_gains = {}
         self.finalized = [[] for _ in range(bsz)]
         # every active row has gained >= 1 token per iteration: n_out >= iteration
         self.iteration = 0
@@ -476,6 +483,16 @@ class _Batch:
         if alive.numel() > 0:
             self.generator.block_decoder.reorder(self.cache, alive)
 
+    def uniform_gains(self, count: int) -> Tensor:
+        """(B,) ``count`` for every active row, kept per row count and count (each iteration
+        of a generator that drafts nothing gains one token in every row)."""
+        key = (self.n_out_host.numel(), count)
+        gains = self._uniform_gains.get(key)
+        if gains is None:
+            gains = self._uniform_gains[key] = torch.full(key[:1], count, dtype=torch.long,
+                                                           device=self.rows.device)
+        return gains
+
     @property
     def encoder_out(self):
         """The encoder's output for the active rows."""
@@ -489,6 +506,10 @@ class _Batch:
 
 class _Block:
     """One iteration's block: per row, [last accepted token, draft], padded to one width."""
+
+    # (drafts, draft lengths, packed positions) as lists, where they are known without reading
+    # the tensors (a block without drafts); None: read them
+    host_lists = None
 
     @classmethod
     def last_tokens(cls, batch: _Batch, pad: int) -> "_Block":
@@ -511,6 +532,8 @@ class _Block:
             template.draft_valid = template.pad[:, 1:]
             template.draft_pos = template.draft
             template.padded_draft = batch.tokens.new_full((rows, 1), pad)
+            # what the host decisions read of it: no drafts, one position per row
+            template.host_lists = ([[]] * rows, [0] * rows, [[r] for r in range(rows)])
         block = cls.__new__(cls)
         block.__dict__.update(template.__dict__)
         block.tokens = batch.tokens.gather(1, batch.n_out.unsqueeze(1))

@@ -49,8 +49,7 @@ def _best_two(block_decoder, lprobs: Tensor) -> Tuple[List[List[float]], List[in
     scores_kernel = getattr(block_decoder, "scores_kernel", None)
     native = scores_kernel() if scores_kernel is not None else None
     if native is not None and lprobs.dtype == torch.float32 and lprobs.is_contiguous():
-        values, best = native.best_two(lprobs)
-        return values.tolist(), best.tolist()
+        return native.best_two(lprobs)
     top = lprobs.topk(2, dim=-1)
     return top.values.tolist(), top.indices[:, 0].tolist()
 
@@ -66,13 +65,15 @@ def _beam_one(lprobs: Tensor, at: int, best: int, first: float, second: float, s
 
 
 def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor, sample,
-                      bos_token) -> Tensor:
-    """Steps 3 and 4 of an iteration (engine.py) for every active row. Returns the (B,) bool
-    rows that emitted EOS, on the host."""
+                      bos_token) -> List[bool]:
+    """Steps 3 and 4 of an iteration (engine.py) for every active row. Returns, per active row,
+    whether it emitted EOS."""
     values, best = _best_two(generator.block_decoder, lprobs)
-    drafts = block.draft.tolist()
-    lengths = block.draft_len.tolist()
-    pos = block.layout.pos.tolist()
+    if block.host_lists is not None:
+        drafts, lengths, pos = block.host_lists
+    else:
+        drafts, lengths = block.draft.tolist(), block.draft_len.tolist()
+        pos = block.layout.pos.tolist()
     n_out = batch.n_out_host.tolist()
     guarded = generator._guarded()
     twice_margin = 2 * generator.margin
@@ -120,26 +121,34 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
         batch.prev_score[r] = float(score)
 
     device = batch.tokens.device
-    # the batch's tensors are on the CPU here: written through numpy views of their memory, one
-    # indexed write each (a torch index_put_ with its index tensors cost five times as much)
-    batch.tokens.numpy()[rows, np.add(cols, 1)] = tokens
-    batch.cum_scores.numpy()[rows, cols] = scores
+    # the batch's tensors are on the CPU here: written through numpy views of their memory, an
+    # element at a time (a few per row: cheaper than an indexed write's index arrays, and a
+    # torch index_put_ with its index tensors cost five times as much)
+    token_view, score_view = batch.tokens.numpy(), batch.cum_scores.numpy()
+    for r, c, token, score in zip(rows, cols, tokens, scores):
+        token_view[r, c + 1] = token
+        score_view[r, c] = score
     n_out_host = batch.n_out_host.numpy()
     n_out_host += gained
-    batch.n_out = batch.n_out_host.to(device, copy=True)  # never the same tensor
-    gained_t = torch.from_numpy(np.asarray(gained, dtype=np.int64))
-    longest, fewest = max(n + g for n, g in zip(n_out, gained)), min(gained)
-    batch.longest = longest
+    batch.n_out = batch.n_out_host.clone()  # never the same tensor
+    most, fewest = max(gained), min(gained)
+    batch.longest = max(n + g for n, g in zip(n_out, gained))
     if batch.backoff is not None:
         batch.backoff.update(block.drafted, torch.tensor(n_acc, device=device))
+    gained_t = None
     drafter = generator.drafter
     if type(drafter).observe is not Drafter.observe:
+        gained_t = torch.tensor(gained, dtype=torch.long)
         last_features = last_tokens = None
         if drafter.observes_features:
             last_features = features.index_select(0, torch.tensor(last_pos, device=device))
             last_tokens = torch.tensor(last_token, device=device)
         with batch.drafter_timer:
-            drafter.observe(batch.rows, last_features, gained_t.to(device) - 1, last_tokens)
-    generator.block_decoder.rollback(batch.cache, block.width + 1, gained_t.to(device),
-                                     keep_range=(fewest, max(gained)))
-    return torch.tensor(done)
+            drafter.observe(batch.rows, last_features, gained_t - 1, last_tokens)
+    if fewest == most:  # every row keeps as many entries: one tensor per count, kept
+        gained_t = batch.uniform_gains(most)
+    elif gained_t is None:
+        gained_t = torch.tensor(gained, dtype=torch.long)
+    generator.block_decoder.rollback(batch.cache, block.width + 1, gained_t,
+                                     keep_range=(fewest, most))
+    return done

@@ -113,6 +113,8 @@ class FastCache:
         self.enc_values: List[Tensor] = []
         self.enc_attend: Optional[Tensor] = None
         self.batch = 0
+        # the decoder input's tables for the native step (NativeLayerStack.input_tables)
+        self.input_tables = None
 
     @property
     def capacity(self) -> int:
@@ -165,6 +167,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         self.projection_kernels = KernelChoice()
         self._vocab: Optional[Linear] = None
         self._vocab_key = None
+        self._projected_by: Optional[Linear] = None  # the projection of the latest logits
         # the layers as one native call, where native_layers.c computes them (layer_stack.py)
         self._stack: Optional[NativeLayerStack] = None
         self.native_stack = True
@@ -222,12 +225,15 @@ class FastBlockDecoder(LeanBlockDecoder):
         """The output projection as a :class:`Linear` (float32 CPU, plain projection), rebuilt
         when the weight changed; None where the decoder's own output layer must run."""
         proj = plain_output_projection(self.decoder)
-        if proj is None or proj.weight.device.type != "cpu" or proj.weight.dtype != torch.float32:
+        if proj is None:
             return None
-        key = (id(proj), proj.weight.data_ptr(), proj.weight._version)
+        weight = proj.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return None
+        key = (id(proj), weight.data_ptr(), weight._version)
         if key != self._vocab_key:
             with torch.no_grad():
-                self._vocab = Linear(proj.weight, None)
+                self._vocab = Linear(weight, None)
             self._vocab_key = key
         return self._vocab
 
@@ -236,18 +242,20 @@ class FastBlockDecoder(LeanBlockDecoder):
         rows (an output layer replaced after this step was built is honoured)."""
         vocab = self._vocabulary()
         if vocab is None or features.dim() != 2 or features.dtype != torch.float32:
+            self._projected_by = None
             return super().logits(features)
+        self._projected_by = vocab
         return vocab(features, self.projection_kernels.kernel_for(features.size(0)))
 
     def scores_kernel(self):
-        """The native kernel for the engine's best two scores per position (native_scores.c), or
-        None (no native kernel, or the products pinned to a library kernel)."""
-        vocab = self._vocabulary()
+        """The native kernel for the best two scores per position (native_scores.c) of the
+        latest :meth:`logits`, or None (that projection was not this step's own, there is no
+        native kernel, or the products are pinned to a library kernel)."""
+        vocab = self._projected_by
         if vocab is None or self.projection_kernels.pinned_to_library():
             return None
         return vocab.native
 
-    # ------------------------------------------------------------------ forward
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """embed_at's function (models/decoder_inputs.py) in fewer operations: the tables read
         with ``F.embedding`` / ``index_select`` rather than through their modules (a third of
@@ -348,7 +356,15 @@ class FastBlockDecoder(LeanBlockDecoder):
                  and block_mask is None else None)
         if stack is not None and steps is None and self.kernels.kernel_for(layout.size) == NATIVE:
             # the whole call natively: the block's input, then the layers
-            x = stack.block_input(dec, tokens, start, layout.index, layout.size, first)
+            # the input's tables, looked up once per batch (again where positions outgrow them)
+            needed = first + length + dec.padding_idx + 1
+            tables = cache.input_tables
+            if tables is None or (tables[1] is not None and tables[1].size(0) < needed):
+                tables = cache.input_tables = stack.input_tables(dec, needed)
+            x = None
+            if tables is not None:
+                x = stack.block_input(dec, tokens, start, layout.index, layout.size, first,
+                                      tables)
             if x is not None:
                 self._reserve(cache, total)
                 return self._native_layers(stack, x, cache, layout, length)

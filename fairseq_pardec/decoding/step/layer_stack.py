@@ -141,27 +141,41 @@ class NativeLayerStack:
             out.data_ptr())
         return out
 
-    def block_input(self, decoder, tokens: Tensor, start: Tensor, index: Optional[Tensor],
-                    rows: int, first: int) -> Optional[Tensor]:
-        """The decoder's input for a block's packed rows (embed_at's function: scaled token
-        embedding plus position embedding, native_layers.c) where the decoder's way in is just
-        those two tables; None where it is not, or a token or position is outside its table
-        (the torch path then runs, and says what is wrong)."""
+    @staticmethod
+    def input_tables(decoder, needed: int):
+        """The two tables the decoder's input adds up (its token embedding's weight, and its
+        position table of at least ``needed`` rows or None), where its way in is just those;
+        None where it is not or the position table is shorter (the torch path then runs, and
+        says what is wrong)."""
         table = decoder.embed_tokens
         if not plain_input(decoder) or not table.weight.is_contiguous():
             return None
+        positions = _position_table(decoder, needed)
+        if positions is False or (positions is not None and positions.size(0) < needed):
+            return None
+        return table.weight, positions
+
+    def block_input(self, decoder, tokens: Tensor, start: Tensor, index: Optional[Tensor],
+                    rows: int, first: int, tables=None) -> Optional[Tensor]:
+        """The decoder's input for a block's packed rows (embed_at's function: scaled token
+        embedding plus position embedding, native_layers.c) where the decoder's way in is just
+        those two tables; None where it is not, or a token or position is outside its table
+        (the torch path then runs, and says what is wrong). ``tables``: :meth:`input_tables`
+        for this block, if the caller has them."""
         batch, length = tokens.shape
         offset = decoder.padding_idx + 1
-        positions = _position_table(decoder, first + length + offset)
-        if positions is False:
-            return None
+        if tables is None:
+            tables = self.input_tables(decoder, first + length + offset)
+            if tables is None:
+                return None
+        weight, positions = tables
         tokens, start = tokens.contiguous(), start.contiguous()
-        out = torch.empty(rows, table.weight.size(1))
+        out = torch.empty(rows, weight.size(1))
         failed = self.kernel.embed_block(
             tokens.data_ptr(), start.data_ptr(), _address(index), rows, batch, length, offset,
-            decoder.embed_scale, table.weight.data_ptr(), table.weight.size(0),
+            decoder.embed_scale, weight.data_ptr(), weight.size(0),
             _address(positions), 0 if positions is None else positions.size(0),
-            table.weight.size(1), out.data_ptr())
+            weight.size(1), out.data_ptr())
         return None if failed else out
 
     def __call__(self, x: Tensor, cache, index: Optional[Tensor], batch: int, first: int,

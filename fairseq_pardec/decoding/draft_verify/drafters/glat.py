@@ -6,7 +6,7 @@ import torch
 
 from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
+from fairseq_pardec.decoding.step.lean import block_decoder_for, lean_supported
 from fairseq_pardec.decoding.step.output_projection import draft_projection, plain_output_projection
 from fairseq_pardec.errors import UsageError
 
@@ -100,7 +100,9 @@ class CachedNARDrafter(NARDrafter):
             raise UsageError(
                 "the block-causal drafter's decoder layers use options its cached step does not "
                 "reproduce (NormFormer, bias_kv, ...); train it without them")
-        self.blocks = LeanBlockDecoder(model.decoder)
+        # the verifier's step: the fast one where it runs (float32 on the CPU), else the lean
+        # one; a draft needs no guard, its tokens are verified
+        self.blocks = block_decoder_for(model.decoder, lean=True, fast=True)
         self.mask_token = model.mask_index()
         self.max_step = model.max_decoder_positions() - 1
 
