@@ -85,7 +85,8 @@ def token_rules(lprobs: Tensor, pad: int, unk: int, unk_penalty: float) -> Tenso
     becomes -inf, padding is never chosen, the unknown word pays ``--unkpen``. In place on
     (..., V); returns ``lprobs``."""
     torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-    lprobs[..., pad] = -math.inf
+    # select + fill: the same edits as fairseq's indexed ones, without parsing an index
+    lprobs.select(-1, pad).fill_(-math.inf)
     if unk_penalty:
-        lprobs[..., unk] -= unk_penalty
+        lprobs.select(-1, unk).sub_(unk_penalty)
     return lprobs

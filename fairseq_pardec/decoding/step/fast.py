@@ -113,8 +113,10 @@ class FastCache:
         self.enc_values: List[Tensor] = []
         self.enc_attend: Optional[Tensor] = None
         self.batch = 0
-        # the decoder input's tables for the native step (NativeLayerStack.input_tables)
+        # the decoder input's tables for the native step (NativeLayerStack.input_tables), and
+        # the output projection (FastBlockDecoder.logits), looked up when the batch starts
         self.input_tables = None
+        self.vocab = None
 
     @property
     def capacity(self) -> int:
@@ -168,6 +170,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         self._vocab: Optional[Linear] = None
         self._vocab_key = None
         self._projected_by: Optional[Linear] = None  # the projection of the latest logits
+        self._batch_vocab: Optional[Linear] = None  # the current batch's (forward_packed)
         # the layers as one native call, where native_layers.c computes them (layer_stack.py)
         self._stack: Optional[NativeLayerStack] = None
         self.native_stack = True
@@ -240,7 +243,8 @@ class FastBlockDecoder(LeanBlockDecoder):
     def logits(self, features: Tensor) -> Tensor:
         """The output layer, on the kernel measured fastest for the projection at this many
         rows (an output layer replaced after this step was built is honoured)."""
-        vocab = self._vocabulary()
+        # the projection checked when the batch started (weights do not change within one)
+        vocab = self._batch_vocab if self._batch_vocab is not None else self._vocabulary()
         if vocab is None or features.dim() != 2 or features.dtype != torch.float32:
             self._projected_by = None
             return super().logits(features)
@@ -348,6 +352,8 @@ class FastBlockDecoder(LeanBlockDecoder):
         bsz, length = tokens.size()
         if not cache.keys:
             self._start(cache, encoder_out, bsz, tokens.device, dec.embed_tokens.weight.dtype)
+            cache.vocab = self._vocabulary()
+        self._batch_vocab = cache.vocab
         # the weights cannot change within one batch: checked once, when the batch starts
         layers = self._layers
         first = cache.length
