@@ -9,6 +9,8 @@ import torch
 from fairseq_pardec.decoding.registry import DraftVerifyGenerator
 from fairseq_pardec.decoding.draft_verify.acceptance import ExactAcceptance
 from fairseq_pardec.decoding.draft_verify.drafters import CachedNARDrafter
+from fairseq_pardec.decoding.step.fast import FastBlockDecoder
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
 from fairseq_pardec.models.glat_drafter import GlatDrafterModel
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, pooled, tiny_args
@@ -73,13 +75,18 @@ def test_block_causal_layout_and_mask():
 
 
 @pytest.mark.trains
+@pytest.mark.parametrize("step", ["fast", "lean"])
 @pytest.mark.parametrize("reads_verifier", [False, True])
-def test_cached_drafting_equals_full_forward(copy_model, reads_verifier):
+def test_cached_drafting_equals_full_forward(copy_model, reads_verifier, step):
     """Feed a random acceptance schedule through the cached drafter (rows finishing on the way)
-    and compare every iteration's slot logits with the uncached forward over the whole prefix."""
+    and compare every iteration's slot logits with the uncached forward over the whole prefix,
+    on the fast step (a float32 drafter on the CPU runs it) and on the lean one (elsewhere)."""
     verifier, d, make_sample = copy_model
     model = causal_drafter(make_task(d), k=4, seed=3, verifier=verifier if reads_verifier else None)
     drafter = CachedNARDrafter(model, 4, d.eos(), d.pad())
+    assert isinstance(drafter.blocks, FastBlockDecoder)
+    if step == "lean":
+        drafter.blocks = LeanBlockDecoder(model.decoder)
     sample = make_sample(6, seed=11)
     net = sample["net_input"]
     encoder_out = verifier.encoder.forward_torchscript(net)
