@@ -260,6 +260,7 @@ class FastBlockDecoder(LeanBlockDecoder):
             return None
         return vocab.native
 
+    # ------------------------------------------------------------------ forward
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """embed_at's function (models/decoder_inputs.py) in fewer operations: the tables read
         with ``F.embedding`` / ``index_select`` rather than through their modules (a third of
