@@ -26,7 +26,6 @@ zero attention, xformers, subclasses overriding ``forward``) keep the module pat
 :func:`lean_supported` says which.
 """
 
-import logging
 from typing import List, Optional, Tuple
 
 import torch
@@ -361,33 +360,7 @@ class LeanBlockDecoder(BlockDecoder):
         cache.batch = new_order.numel()
 
 
-def block_decoder_for(decoder, lean: bool = True, fast: bool = False) -> BlockDecoder:
-    """The fast step (``fast``, where it runs: float32 on the CPU), else the lean step where the
-    decoder's layers allow it, else fairseq's modules."""
-    check_supported_decoder(decoder)
-    if lean and fast:
-        from fairseq_pardec.decoding.step.fast import FastBlockDecoder, fast_supported
 
-        if fast_supported(decoder):
-            return FastBlockDecoder(decoder)
-    if lean and lean_supported(decoder):
-        return LeanBlockDecoder(decoder)
-    if lean:
-        _log_fallback(decoder)
-    return BlockDecoder(decoder)
-
-
-logger = logging.getLogger(__name__)
-_fallbacks_logged = set()
-
-
-def _log_fallback(decoder):
-    """Say once per decoder class that the engine runs fairseq's slower modules: the lean step
-    is several times faster, so a user comparing speeds needs to know which one ran."""
-    kind = type(decoder).__name__
-    if kind in _fallbacks_logged:
-        return
-    _fallbacks_logged.add(kind)
-    logger.warning("%s's layers use options the lean decoder step does not reproduce "
-                   "(NormFormer, bias_kv, cross-self-attention, ...): decoding with fairseq's "
-                   "own modules, which is slower", kind)
+# the factory lives in step/factory.py; importers of this module's name keep working
+from fairseq_pardec.decoding.step.factory import (_fallbacks_logged,  # noqa: E402,F401
+                                                  block_decoder_for)

@@ -1,0 +1,618 @@
+"""The static decoder step: fixed shapes, buffers written in place, no host sync inside a call.
+
+It computes what :class:`~fairseq_pardec.decoding.step.fast.FastBlockDecoder` computes (fairseq's
+decoder, fused and rounded differently), laid out for a GPU, where a step of a small model costs
+its kernel launches and every host read of the device stalls the queue:
+
+* **Buckets.** A call runs on a grid of ``rows x width`` positions, the batch and the block
+  length rounded up to a bucket (:func:`batch_bucket`, :func:`block_bucket`); padding rows and
+  columns are masked out of every real row's attention and their outputs are never read. The
+  same code runs eagerly (on the CPU in the tests) and, on CUDA, recorded once per bucket as a
+  CUDA graph and replayed (step/cuda_graphs.py).
+* **The self-attention cache** is one buffer per layer, ``(rows, heads, capacity, head_dim)``,
+  the capacity rounded up to a power of two, in a :class:`_Slot` reused by later batches of the
+  same buckets (a graph reads fixed addresses). Each row has its own length, on the device: a
+  block's keys and values are scattered at ``length[b] + i``; a rollback only sets the lengths
+  (rejected entries are overwritten by the next block), so the cache never has holes and needs
+  no compaction. Keys carry their position in their values (absolute position embeddings), so
+  an entry's index in the buffer is not its decoder step.
+* **The encoder's keys and values** are projected once per batch, into the slot's static buffers
+  (the source length rounded up to a bucket, the padding masked).
+* **Few, fused ops.** One product per layer for queries, keys and values, the query scaling
+  folded into its weights (as the fast step); attention through
+  ``F.scaled_dot_product_attention`` with one boolean mask per call built on the device from
+  the rows' lengths (the cache, causal inside the block, ragged and bucket padding, or a
+  block-causal drafter's own mask).
+* **Scores in the same call.** The output projection and the log-softmax run inside the call
+  (the engine reads them through :meth:`StaticBlockDecoder.log_probs`), and, where the engine
+  asks for them (``token_rules``), fairseq's first edits of the log-probabilities and the best two
+  candidates per position (what the margin guard reads).
+
+The host keeps only what sizes the buffers: an upper bound on the longest row (``bound``, moved
+by block lengths and by the rollbacks' ``keep_range``, which the engine already has on the host).
+Nothing inside a call reads the device or has a shape that depends on data.
+
+It rounds differently from fairseq (fused products, folded scaling, another attention kernel), so
+it declares a margin and the engine decides close calls with fairseq's arithmetic
+(draft_verify/margin_guard.py), as for the fast step.
+"""
+
+import threading
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq.modules import LearnedPositionalEmbedding
+
+from fairseq_pardec.decoding.fairseq_rules import token_rules as apply_token_rules
+from fairseq_pardec.decoding.step.block_decoder import keep_bounds
+from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.step.cuda_graphs import GraphSet
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
+from fairseq_pardec.decoding.step.margins import rounding_margin
+from fairseq_pardec.decoding.step.weights_key import WeightsKey
+from fairseq_pardec.models.decoder_inputs import encoder_states, final_features
+
+# The smallest self-attention capacity and source bucket: the memory-efficient attention kernel
+# reads masks whose last dimension is a multiple of 16, and fewer, larger buckets mean fewer
+# captures.
+MIN_CAPACITY = 64
+MIN_SOURCE = 16
+
+
+def _power_of_two(n: int, minimum: int = 1) -> int:
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+def batch_bucket(rows: int) -> int:
+    """Rows of the grid a batch of ``rows`` runs on: powers of two up to 16, then multiples of 16
+    (a batch of 64 that loses rows passes through 64, 48, 32, 16, 8, 4, 2, 1)."""
+    if rows <= 16:
+        return _power_of_two(rows)
+    return -(-rows // 16) * 16
+
+
+def block_bucket(length: int) -> int:
+    """Columns of the grid a block of ``length`` positions runs on: a power of two."""
+    return _power_of_two(length)
+
+
+def static_supported(decoder) -> bool:
+    """True when :class:`StaticBlockDecoder` computes what fairseq's decoder computes: the lean
+    step's layers (step/lean.py), a plain embedding on the way in, no quantisation noise, no
+    dropout at inference."""
+    if not lean_supported(decoder):
+        return False
+    if decoder.quant_noise is not None or type(decoder.embed_tokens) is not torch.nn.Embedding:
+        return False
+    if decoder.embed_tokens.max_norm is not None:
+        return False
+    return not decoder.dropout_module.apply_during_inference
+
+
+class _Layer:
+    """One decoder layer's weights in the static step's layout (fused, scaling folded)."""
+
+    def __init__(self, layer):
+        attn, cross = layer.self_attn, layer.encoder_attn
+        self.heads, self.head_dim = attn.num_heads, attn.head_dim
+        self.cross_heads, self.cross_head_dim = cross.num_heads, cross.head_dim
+        scale = attn.scaling
+        self.qkv_weight = torch.cat([attn.q_proj.weight * scale, attn.k_proj.weight,
+                                     attn.v_proj.weight]).contiguous()
+        self.qkv_bias = torch.cat([attn.q_proj.bias * scale, attn.k_proj.bias, attn.v_proj.bias])
+        self.out = attn.out_proj
+        self.cross_q_weight = (cross.q_proj.weight * cross.scaling).contiguous()
+        self.cross_q_bias = cross.q_proj.bias * cross.scaling
+        self.cross_kv_weight = torch.cat([cross.k_proj.weight, cross.v_proj.weight]).contiguous()
+        self.cross_kv_bias = torch.cat([cross.k_proj.bias, cross.v_proj.bias])
+        self.cross_out = cross.out_proj
+        self.fc1, self.fc2, self.activation = layer.fc1, layer.fc2, layer.activation_fn
+        self.pre_norm = layer.normalize_before
+        self.norm_attn = layer.self_attn_layer_norm
+        self.norm_cross = layer.encoder_attn_layer_norm
+        self.norm_ffn = layer.final_layer_norm
+
+
+class _Block:
+    """One block bucket's static inputs on a slot (what a recorded call reads)."""
+
+    def __init__(self, rows: int, width: int, device, pad: int):
+        self.width = width
+        self.tokens = torch.full((rows, width), pad, dtype=torch.long, device=device)
+        self.positions = torch.full((rows, width), pad + 1, dtype=torch.long, device=device)
+        self.pad = torch.ones(rows, width, dtype=torch.bool, device=device)
+        self.causal = torch.ones(width, width, dtype=torch.bool, device=device).tril_()
+        self.inside = self.causal.clone()  # which block positions a block position sees
+        self.own_mask = False  # ``inside`` holds a drafter's mask, not ``causal``
+        self.query_index = torch.arange(width, device=device)
+
+
+class _Slot:
+    """Static buffers of one (rows, capacity, source) bucket, and the graphs recorded on them.
+
+    A slot belongs to one cache at a time (``owner``); it returns to its step's pool when that
+    cache is gone or moves to another slot.
+    """
+
+    def __init__(self, step: "StaticBlockDecoder", rows: int, capacity: int, source: int,
+                 device, dtype):
+        self.rows, self.capacity, self.source = rows, capacity, source
+        # the weights its graphs read: kept alive with them (graphs hold addresses, not tensors)
+        self.layers, self.held = step._layers, step._held
+        self.keys: List[Tensor] = []
+        self.values: List[Tensor] = []
+        self.enc_keys: List[Tensor] = []
+        self.enc_values: List[Tensor] = []
+        for layer in self.layers:
+            shape = (rows, layer.heads, capacity, layer.head_dim)
+            self.keys.append(torch.zeros(shape, device=device, dtype=dtype))
+            self.values.append(torch.zeros(shape, device=device, dtype=dtype))
+            shape = (rows, layer.cross_heads, source, layer.cross_head_dim)
+            self.enc_keys.append(torch.zeros(shape, device=device, dtype=dtype))
+            self.enc_values.append(torch.zeros(shape, device=device, dtype=dtype))
+        self.enc_attend = torch.ones(rows, 1, 1, source, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.key_index = torch.arange(capacity, device=device)
+        self.temperature = torch.ones((), device=device, dtype=dtype)
+        self.blocks: Dict[int, _Block] = {}
+        self.graphs = GraphSet(torch.device(device))
+        self.owner = None
+
+    def block(self, width: int, pad: int) -> _Block:
+        block = self.blocks.get(width)
+        if block is None:
+            block = self.blocks[width] = _Block(self.rows, width, self.lengths.device, pad)
+        return block
+
+    def free(self) -> bool:
+        return self.owner is None or self.owner() is None
+
+    def copy_rows(self, other: "_Slot", order: Optional[Tensor], count: int):
+        """Rows ``order`` of ``other`` (all its first ``count`` when None) into rows ``0 ..
+        count - 1`` of this slot; the rest of this slot's rows become padding rows."""
+        def pick(t: Tensor) -> Tensor:
+            return t[:count] if order is None else t.index_select(0, order)
+
+        width = min(self.capacity, other.capacity)
+        for mine, theirs in zip(self.keys + self.values, other.keys + other.values):
+            mine[:count, :, :width] = pick(theirs[:, :, :width])
+        for mine, theirs in zip(self.enc_keys + self.enc_values,
+                                other.enc_keys + other.enc_values):
+            mine[:count] = pick(theirs)
+        attend, lengths = pick(other.enc_attend), pick(other.lengths)
+        self.enc_attend[:count] = attend
+        self.enc_attend[count:] = True
+        self.lengths[:count] = lengths
+        self.lengths[count:] = 0
+
+
+class StaticCache:
+    """One batch's decoder state for :class:`StaticBlockDecoder`: a slot of static buffers and
+    what the host knows about it.
+
+    batch: real rows (the slot has ``slot.rows >= batch``). bound: an upper bound on the longest
+    row's cache length (exact when every row keeps the same, e.g. at batch 1). The last block's
+    length, padding and ``bound`` before it let a drafter drop its mask slots (drop_columns).
+    """
+
+    def __init__(self):
+        self.slot: Optional[_Slot] = None
+        self.batch = 0
+        self.bound = 0
+        self.block_first = 0
+        self.block_len = 0
+        self.block_pad: Optional[Tensor] = None
+
+
+class _Scores:
+    """The scores of a step's latest call, until the caller reads them (per thread)."""
+
+    def __init__(self, features, lprobs, index, temperature, best_values=None, best_tokens=None):
+        self.features, self.lprobs, self.index = features, lprobs, index
+        self.temperature = temperature
+        self.best_values, self.best_tokens = best_values, best_tokens
+
+
+class StaticBlockDecoder(LeanBlockDecoder):
+    """The draft-and-verify engine's decoder step for CUDA (same interface as
+    :class:`~fairseq_pardec.decoding.step.lean.LeanBlockDecoder`, a :class:`StaticCache` as state).
+
+    ``graphs``: record each bucket's call as a CUDA graph where the model is on CUDA (default);
+    False runs every call eagerly (the same operations).
+    """
+
+    fast = True
+    one_position_exact = False  # not even a one-position call rounds as fairseq does
+    kernels = None  # the fast encoder measures its own kernels
+
+    def __init__(self, decoder, graphs: bool = True):
+        super().__init__(decoder)
+        if not static_supported(decoder):
+            raise ValueError("the static step does not compute this decoder's function; "
+                             "check static_supported first")
+        self.graphs = graphs
+        self._layers: List[_Layer] = []
+        self._held: list = []
+        self._weights_key = None
+        self._weights_fingerprint: Optional[WeightsKey] = None
+        self._slots: Dict[Tuple[int, int, int], List[_Slot]] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        # whether the calls compute the log-probabilities: a caller that never reads them
+        # (a drafter reading its own slots' logits) stops paying for them after one call
+        self.scores_in_call = True
+        # (pad, unk, unk_penalty): the call also applies fairseq's token rules to the
+        # log-probabilities and finds the best two per position (best_two)
+        self.token_rules: Optional[Tuple[int, int, float]] = None
+
+    def new_state(self) -> StaticCache:
+        return StaticCache()
+
+    @property
+    def margin(self) -> Optional[float]:
+        """It rounds differently from fairseq: the engine guards exact choices with this bound on
+        |log-prob - fairseq's| (step/margins.py; None in half precision, where none is claimed).
+        tests/test_static_step.py keeps the difference measured on the CPU under a tenth of it."""
+        weight = self.decoder.embed_tokens.weight
+        return rounding_margin(weight.device, weight.dtype)
+
+    # ------------------------------------------------------------------ weights and slots
+    def _prepared(self):
+        """The fused weights, rebuilt (and every recorded graph dropped) when a parameter or the
+        position table changed."""
+        if self._weights_fingerprint is None:
+            self._weights_fingerprint = WeightsKey(self.decoder)
+        table = self._position_table()
+        key = (self._weights_fingerprint.key(),
+               None if table is None else (table.data_ptr(), table.device, table.dtype))
+        if key != self._weights_key:
+            with torch.no_grad():
+                self._layers = [_Layer(layer) for layer in self.layers]
+            # the parameters' storage, kept alive with the graphs that read its addresses
+            self._held = self._weights_fingerprint.hold() + [table]
+            self._slots.clear()
+            self._weights_key = key
+
+    def _position_table(self) -> Optional[Tensor]:
+        module = self.decoder.embed_positions
+        if module is None:
+            return None
+        return module.weight if isinstance(module, LearnedPositionalEmbedding) else module.weights
+
+    def _acquire(self, cache: StaticCache, rows: int, capacity: int, source: int, device, dtype):
+        """A free slot of these buckets for ``cache`` (a new one if all are taken)."""
+        with self._lock:
+            slots = self._slots.setdefault((rows, capacity, source), [])
+            slot = next((s for s in slots if s.free()), None)
+            if slot is None:
+                slot = _Slot(self, rows, capacity, source, device, dtype)
+                slot.graphs.enabled = slot.graphs.enabled and self.graphs
+                slots.append(slot)
+            slot.owner = weakref.ref(cache)
+        return slot
+
+    @staticmethod
+    def _release(slot: _Slot):
+        slot.owner = None
+
+    def release_buffers(self):
+        """Drop every slot not in use and the graphs recorded on them (GPU memory)."""
+        with self._lock:
+            for key in list(self._slots):
+                self._slots[key] = [s for s in self._slots[key] if not s.free()]
+
+    def graph_count(self) -> int:
+        """How many calls are recorded as CUDA graphs (benchmark, tests)."""
+        return sum(len(s.graphs) for slots in self._slots.values() for s in slots)
+
+    def _start(self, cache: StaticCache, encoder_out, bsz: int, width: int):
+        """Take a slot for the batch and project the encoder's keys and values into it."""
+        self._prepared()
+        enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)
+        weight = self.decoder.embed_tokens.weight
+        source = enc.size(0)
+        slot = self._acquire(cache, batch_bucket(bsz), _power_of_two(width, MIN_CAPACITY),
+                             _power_of_two(source, MIN_SOURCE), weight.device, weight.dtype)
+        cache.slot, cache.batch, cache.bound = slot, bsz, 0
+        flat = enc.reshape(source * bsz, -1)
+        for i, layer in enumerate(slot.layers):
+            kv = F.linear(flat, layer.cross_kv_weight, layer.cross_kv_bias)
+            kv = kv.view(source, bsz, 2, layer.cross_heads, layer.cross_head_dim)
+            kv = kv.permute(2, 1, 3, 0, 4)
+            slot.enc_keys[i][:bsz, :, :source] = kv[0]
+            slot.enc_values[i][:bsz, :, :source] = kv[1]
+        attend = slot.enc_attend.view(slot.rows, slot.source)
+        attend.fill_(True)
+        attend[:bsz, source:] = False
+        if enc_pad is not None:
+            attend[:bsz, :source] = ~enc_pad.bool()
+        slot.lengths.zero_()
+
+    def reserve(self, cache: StaticCache, entries: int):
+        """Make room for ``entries`` cache entries per row (a caller that knows the batch's
+        length limit may reserve it once, before the first block: no buffer grows later)."""
+        slot = cache.slot
+        if slot is None or entries <= slot.capacity:
+            return
+        bigger = self._acquire(cache, slot.rows, _power_of_two(entries, MIN_CAPACITY),
+                               slot.source, slot.lengths.device, slot.keys[0].dtype)
+        bigger.copy_rows(slot, None, slot.rows)
+        self._release(slot)
+        cache.slot = bigger
+
+    # ------------------------------------------------------------------ forward
+    def forward_packed(self, tokens, start, layout: BlockLayout, encoder_out, cache: StaticCache,
+                       steps: Optional[Tensor] = None, block_mask: Optional[Tensor] = None,
+                       cache_only: bool = False):
+        """Features (N, d) at the block's real positions, packed as ``layout`` says (see
+        :meth:`LeanBlockDecoder.forward_packed` for ``steps``, ``block_mask`` and
+        ``cache_only``). Row b's keys and values are written after its own cache entries."""
+        bsz, length = tokens.size()
+        width = block_bucket(length)
+        with torch.no_grad():
+            if cache.slot is None:
+                self._start(cache, encoder_out, bsz, width)
+            self.reserve(cache, cache.bound + width)
+            slot = cache.slot
+            block = slot.block(width, self.padding_idx)
+            self._fill(block, slot, tokens, start, layout.block_pad, steps, block_mask)
+            pending = getattr(self._local, "scores", None)
+            if pending is not None and pending.lprobs is not None:
+                self.scores_in_call = False  # the previous call's scores were never read
+            scores = self.scores_in_call and not cache_only
+            rules = self.token_rules if scores else None
+            if scores:
+                slot.temperature.fill_(getattr(self._local, "temperature", 1.0))
+            outputs = slot.graphs.call((width, scores, rules),
+                                       lambda: self._call(slot, block, scores, rules))
+            # the lengths move outside the recorded call: a call must be repeatable
+            slot.lengths[:bsz] += length
+            cache.block_first, cache.block_len = cache.bound, length
+            cache.block_pad = layout.block_pad
+            cache.bound += length
+            if cache_only:
+                self._local.scores = None
+                return None
+            index = self._pack_index(layout, bsz, length, slot.rows)
+            features = outputs[0].index_select(0, index)
+            self._local.scores = _Scores(
+                features, outputs[1] if scores else None, index,
+                float(getattr(self._local, "temperature", 1.0)),
+                *(outputs[2:] if rules is not None else ()))
+        return features
+
+    def _fill(self, block: _Block, slot: _Slot, tokens, start, block_pad, steps, block_mask):
+        """The call's static inputs, padded up to the buckets (a few copies, no host read)."""
+        bsz, length = tokens.size()
+        rows, width = slot.rows, block.width
+        pad = self.padding_idx
+        if steps is None:
+            steps = start.unsqueeze(1) + block.query_index[:length]
+        # fairseq numbers positions from padding_idx + 1; padded slots borrow a valid position
+        # (their outputs are never read, their keys never seen); real positions never pass the
+        # table's end (the engine stops at the model's limit), padding is kept inside it
+        positions = (steps + pad + 1).masked_fill(block_pad, pad + 1)
+        table = self._position_table()
+        if table is not None:
+            positions = positions.clamp(max=table.size(0) - 1)
+        grow = (0, width - length, 0, rows - bsz)
+        block.tokens.copy_(F.pad(tokens.masked_fill(block_pad, pad), grow, value=pad))
+        block.positions.copy_(F.pad(positions, grow, value=pad + 1))
+        block.pad.copy_(F.pad(block_pad, grow, value=True))
+        if block_mask is not None:
+            block.inside.copy_(block.causal)
+            block.inside[:length, :length] = block_mask > float("-inf")
+            block.own_mask = True
+        elif block.own_mask:
+            block.inside.copy_(block.causal)
+            block.own_mask = False
+
+    def _pack_index(self, layout: BlockLayout, bsz: int, length: int, rows: int) -> Tensor:
+        """Grid rows (time-major, ``rows`` per block position) of the layout's packed rows."""
+        device = layout.block_pad.device
+        if layout.index is None:
+            cols = torch.arange(length, device=device).unsqueeze(1) * rows
+            return (cols + torch.arange(bsz, device=device)).reshape(-1)
+        return torch.div(layout.index, bsz, rounding_mode="floor") * rows + layout.index % bsz
+
+    def _embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """embed_at's function (models/decoder_inputs.py) without its read of the largest
+        position: the position table is looked up as it is."""
+        dec = self.decoder
+        x = dec.embed_scale * dec.embed_tokens(tokens)
+        if dec.project_in_dim is not None:
+            x = dec.project_in_dim(x)
+        module = dec.embed_positions
+        if module is not None:
+            if isinstance(module, LearnedPositionalEmbedding):
+                x = x + F.embedding(positions, module.weight, module.padding_idx)
+            else:
+                x = x + module.weights.index_select(0, positions.reshape(-1)).view(
+                    positions.shape + (-1,))
+        if dec.layernorm_embedding is not None:
+            x = dec.layernorm_embedding(x)
+        return x
+
+    def _self_mask(self, slot: _Slot, block: _Block) -> Tensor:
+        """(rows, 1, width, capacity) True where a block position may attend: its row's cache
+        entries, and the block positions ``inside`` allows that are not padding. A padded query
+        sees at least itself (its output is never read; a row with nothing to attend to would
+        be NaN)."""
+        width = block.width
+        relative = (slot.key_index.unsqueeze(0) - slot.lengths.unsqueeze(1)).unsqueeze(1)
+        at = relative.clamp(0, width - 1)  # (rows, 1, capacity)
+        rows = slot.rows
+        inside = block.inside.unsqueeze(0).expand(rows, width, width).gather(
+            2, at.expand(rows, width, slot.capacity))
+        key_pad = block.pad.gather(1, at.squeeze(1)).unsqueeze(1)
+        in_block = (relative >= 0) & (relative < width)
+        allowed = (relative < 0) | (in_block & inside & ~key_pad)
+        own = (relative == block.query_index.view(1, width, 1)) & block.pad.unsqueeze(2)
+        return (allowed | own).unsqueeze(1)
+
+    def _call(self, slot: _Slot, block: _Block, scores: bool, rules) -> Tuple[Tensor, ...]:
+        """The step on the slot's static buffers: the grid's features (width * rows, d),
+        time-major; with ``scores`` its log-probabilities, and with ``rules`` the best two
+        log-probabilities and the best token after fairseq's token rules. Writes the block's
+        keys and values at each row's length; reads nothing back to the host."""
+        dec = self.decoder
+        rows, width = slot.rows, block.width
+        x = self._embed(block.tokens.t(), block.positions.t()).reshape(width * rows, -1)
+        mask = self._self_mask(slot, block)
+        write = slot.lengths.view(rows, 1, 1, 1) + block.query_index.view(1, 1, width, 1)
+        for i, layer in enumerate(slot.layers):
+            heads, head_dim = layer.heads, layer.head_dim
+            residual = x
+            if layer.pre_norm:
+                x = layer.norm_attn(x)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(width, rows, 3, heads,
+                                                                     head_dim)
+            qkv = qkv.permute(2, 1, 3, 0, 4)  # (3, rows, heads, width, head_dim)
+            at = write.expand(rows, heads, width, head_dim)
+            slot.keys[i].scatter_(2, at, qkv[1])
+            slot.values[i].scatter_(2, at, qkv[2])
+            out = F.scaled_dot_product_attention(qkv[0], slot.keys[i], slot.values[i],
+                                                 attn_mask=mask, scale=1.0)
+            x = layer.out(out.permute(2, 0, 1, 3).reshape(width * rows, -1)) + residual
+            if not layer.pre_norm:
+                x = layer.norm_attn(x)
+
+            residual = x
+            if layer.pre_norm:
+                x = layer.norm_cross(x)
+            q = F.linear(x, layer.cross_q_weight, layer.cross_q_bias).view(
+                width, rows, layer.cross_heads, layer.cross_head_dim).permute(1, 2, 0, 3)
+            out = F.scaled_dot_product_attention(q, slot.enc_keys[i], slot.enc_values[i],
+                                                 attn_mask=slot.enc_attend, scale=1.0)
+            x = layer.cross_out(out.permute(2, 0, 1, 3).reshape(width * rows, -1)) + residual
+            if not layer.pre_norm:
+                x = layer.norm_cross(x)
+
+            residual = x
+            if layer.pre_norm:
+                x = layer.norm_ffn(x)
+            x = layer.fc2(layer.activation(layer.fc1(x))) + residual
+            if not layer.pre_norm:
+                x = layer.norm_ffn(x)
+        features = final_features(dec, x, time_major=False)
+        if not scores:
+            return (features,)
+        logits = dec.output_layer(features) / slot.temperature
+        lprobs = F.log_softmax(logits.float(), dim=-1)
+        if rules is None:
+            return features, lprobs
+        apply_token_rules(lprobs, *rules)
+        top = lprobs.topk(2, dim=-1)
+        return features, lprobs, top.values, top.indices[:, 0]
+
+    def forward_block(self, tokens, start, block_pad, encoder_out, cache: StaticCache):
+        layout = BlockLayout(block_pad)
+        return layout.unpack(self.forward_packed(tokens, start, layout, encoder_out, cache))
+
+    # ------------------------------------------------------------------ scores
+    def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
+        """The log-probabilities of ``features``: those computed inside the call that returned
+        them (with the token rules applied, where ``token_rules`` is set), else computed here."""
+        pending = getattr(self._local, "scores", None)
+        if pending is not None and pending.features is features and pending.lprobs is not None \
+                and pending.temperature == temperature:
+            lprobs = pending.lprobs.index_select(0, pending.index)
+            pending.lprobs = None  # read: the caller may edit it in place
+            return lprobs
+        if pending is not None and pending.features is features:
+            # the next calls compute them (at this temperature) again
+            self.scores_in_call = True
+            self._local.temperature = temperature
+            pending.lprobs = None
+        return super().log_probs(features, temperature)
+
+    def best_two(self, features: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+        """((N, 2) best two log-probabilities, (N,) best token) after fairseq's token rules, for
+        the features the latest call returned, computed inside it; None where it did not."""
+        pending = getattr(self._local, "scores", None)
+        if pending is None or pending.features is not features or pending.best_values is None:
+            return None
+        return (pending.best_values.index_select(0, pending.index),
+                pending.best_tokens.index_select(0, pending.index))
+
+    @property
+    def applies_token_rules(self) -> bool:
+        """Whether :meth:`log_probs` returns log-probabilities with fairseq's token rules
+        already applied (the caller must not apply them again)."""
+        return self.token_rules is not None and self.scores_in_call
+
+    # ------------------------------------------------------------------ cache surgery
+    def reads_encoder_out(self, cache: StaticCache) -> bool:
+        return cache.slot is None
+
+    def cache_length(self, cache: StaticCache) -> int:
+        """An upper bound on the longest row's entries (exact when the rows keep as many)."""
+        return cache.bound
+
+    def valid_mask(self, cache: StaticCache) -> Optional[Tensor]:
+        if cache.slot is None:
+            return None
+        lengths = cache.slot.lengths[: cache.batch]
+        return cache.slot.key_index[: cache.bound].unsqueeze(0) < lengths.unsqueeze(1)
+
+    def rollback(self, cache: StaticCache, block_len: int, keep: Tensor,
+                 keep_range: Optional[Tuple[int, int]] = None):
+        """Of the last block's ``block_len`` entries keep the first ``keep[b]`` per row: only the
+        lengths move (the next block overwrites the rest)."""
+        slot = cache.slot
+        slot.lengths[: cache.batch] += keep - block_len
+        kept_max = keep_bounds(keep, keep_range)[1]
+        cache.bound = cache.bound - block_len + kept_max
+        cache.block_pad = None
+
+    def drop_columns(self, cache: StaticCache, first: int, count: int):
+        """Remove the last block's first ``count`` columns in every row (a block-causal drafter's
+        mask slots; ``first``: :meth:`cache_length` before that block), and its padding: each
+        row's other real entries move forward to follow its cache."""
+        if cache.block_pad is None or first != cache.block_first:
+            raise ValueError("drop_columns removes columns of the block just decoded")
+        slot, bsz, length = cache.slot, cache.batch, cache.block_len
+        kept = length - count
+        start = slot.lengths[:bsz] - length
+        rest = cache.block_pad[:, count:]
+        # each row's real columns first, in order (padding sorts last)
+        order = torch.sort(rest.to(torch.int8), dim=1, stable=True).indices
+        source = (start.unsqueeze(1) + count + order).view(bsz, 1, kept, 1)
+        target = (start.unsqueeze(1) + torch.arange(kept, device=start.device)).view(bsz, 1, kept, 1)
+        for buffers in (slot.keys, slot.values):
+            for t in buffers:
+                rows = t[:bsz]
+                shape = (bsz, t.size(1), kept, t.size(3))
+                moved = rows.gather(2, source.expand(shape))
+                rows.scatter_(2, target.expand(shape), moved)
+        slot.lengths[:bsz] = start + (~rest).sum(1)
+        cache.bound = cache.block_first + kept
+        cache.block_pad = None
+
+    def compact(self, cache: StaticCache, min_holes: float = 0.5):
+        """Nothing to do: rows have their own lengths, the cache has no holes."""
+
+    def reorder(self, cache: StaticCache, new_order: Tensor):
+        """Keep (and reorder) batch rows; rows past them become padding rows. A batch that fits
+        a smaller bucket moves to a slot of that bucket (its calls are cheaper)."""
+        slot = cache.slot
+        count = new_order.numel()
+        cache.block_pad = None
+        if slot is None:
+            return
+        new_order = new_order.to(slot.lengths.device)
+        rows = batch_bucket(count)
+        target = slot
+        if rows != slot.rows:
+            target = self._acquire(cache, rows, slot.capacity, slot.source,
+                                   slot.lengths.device, slot.keys[0].dtype)
+        target.copy_rows(slot, new_order, count)
+        if target is not slot:
+            self._release(slot)
+            cache.slot = target
+        cache.batch = count
