@@ -114,8 +114,18 @@ def test_cached_drafting_equals_full_forward(copy_model, reads_verifier, step):
         enc = model.encoder.reorder_encoder_out(full_encoder, rows)
         want = model.slot_logits(inputs, slots, enc)
         want[..., d.pad()] = float("-inf")  # as the drafter masks it
-        assert torch.allclose(got, want, atol=1e-4), (it, (got - want).abs().max())
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        finite = want.isfinite()
+        assert torch.equal(finite, got.isfinite())  # the same masked (-inf) entries
+        error = float((got - want)[finite].abs().max())
+        assert error < 1e-4, (it, error)
+        # The draft is read from the argmax. The two sides multiply matrices of other shapes
+        # (the cached step against the whole prefix), so on a random model a near tie may break
+        # either way; where the runner-up trails by more than twice the measured error, no
+        # rounding within that error can reorder them, so the draft tokens must agree there.
+        top2 = want.topk(2, dim=-1).values
+        decided = top2[..., 0] - top2[..., 1] > 2 * error
+        assert decided.float().mean() > 0.9  # the check covers the drafts, not a few positions
+        assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided])
         n_out = n_out + torch.randint(1, 4, (rows.numel(),), generator=g)
         if it == 3:  # two sentences finish: the batch shrinks
             keep = torch.tensor([0, 2, 3, 5])
@@ -151,6 +161,7 @@ def test_cached_gad_equals_greedy_trained_drafter(trained_causal_drafter, batch_
 def test_frozen_verifier_encoder_is_not_trained(trained_causal_drafter):
     verifier, model, *_ = trained_causal_drafter
     theirs = verifier.encoder.state_dict()
+    # bitwise: the drafter's encoder is a copy of the verifier's, and training must not touch it
     assert all(torch.equal(v, theirs[k]) for k, v in model.encoder.state_dict().items())
 
 
