@@ -219,7 +219,7 @@ def test_two_processes_train_as_one(cli_data, base, single_process, tmp_path, na
     if CASES[name][2]:
         (a,), (b,) = records(single, "valid"), records(multi, "valid")
         assert abs(float(a["valid_loss"]) - float(b["valid_loss"])) <= 1e-3 * abs(float(a["valid_loss"]))
-    if "--freeze-base" in flags:  # the frozen base is the base, to the bit
+    if "--freeze-base" in flags:  # the frozen base is the base, to the bit: no step touches it
         trained = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
         original = torch.load(base, map_location="cpu", weights_only=False)["model"]
         for key, value in original.items():

@@ -33,6 +33,9 @@ def _both_paths(make_generator, model, sample, **generate_kwargs):
 
 
 def _assert_identical(host, tensor):
+    """Bitwise, by construction: both paths run the same block step with the same (pinned)
+    kernels on the same blocks, so every product has the same shapes and inputs; only where the
+    decisions are made differs, and that is what must not change a bit."""
     (host_hypos, host_stats), (tensor_hypos, tensor_stats) = host, tensor
     for h, t in zip(host_hypos, tensor_hypos):
         assert torch.equal(h[0]["tokens"], t[0]["tokens"])

@@ -1,6 +1,8 @@
 """The lean block step computes fairseq's module path bit for bit, through rollbacks,
 compaction and batch shrinking; unsupported layers fall back to the module path."""
 
+import math
+
 import pytest
 import torch
 
@@ -66,6 +68,8 @@ def test_lean_equals_module_path(overrides):
     a = _drive(lean, model, sample, seed=3, ragged=False)
     b = _drive(module, model, sample, seed=3, ragged=False)
     for x, y in zip(a, b):
+        # bitwise by construction: the lean step runs fairseq's own tensor operations on the same
+        # shapes in the same order (lean.py), so each product goes through the same kernel
         assert torch.equal(x, y)
     a = _drive(lean, model, sample, seed=4)
     b = _drive(module, model, sample, seed=4)
@@ -96,7 +100,11 @@ def test_output_layer_through_a_packed_copy():
         model.decoder.output_projection.weight.mul_(2.0)  # in place: the copy must follow
         assert torch.allclose(lean.log_probs(x), module.log_probs(x), rtol=0, atol=1e-5)
         model.decoder.output_layer = lambda f: torch.zeros(f.shape[:-1] + (len(d),))
-        assert torch.equal(lean.log_probs(x), torch.full((7, len(d)), -torch.log(torch.tensor(float(len(d))))))
+        honoured = lean.log_probs(x)
+        # zero logits: every entry is the same 0 - logsumexp, so the row is constant to the bit;
+        # its value goes through the log-softmax kernel's own log, so within a float32 rounding
+        assert torch.equal(honoured, honoured[:1, :1].expand_as(honoured))
+        assert abs(float(honoured[0, 0]) + math.log(len(d))) < 1e-6
 
 
 def test_output_projection_without_onednn(monkeypatch):
