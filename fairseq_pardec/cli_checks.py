@@ -57,15 +57,31 @@ _SIZES = ("--batch-size", "--max-sentences", "--max-tokens", "--batch-size-valid
           "--max-tokens-valid")
 
 
-def check_sizes(argv):
-    for flag, value in values(argv, *_SIZES):
+# counts that fairseq divides by or sizes tensors with: 0 ended in a traceback from deep inside
+# torch (--beam, --nbest) or in SIGFPE from fairseq's batching in C (--required-batch-size-multiple)
+_COUNTS = {
+    "--beam": "the hypotheses kept per sentence",
+    "--nbest": "the hypotheses printed per sentence",
+    "--required-batch-size-multiple": "each batch's size is a multiple of it",
+}
+
+
+def _integers(argv, flags):
+    for flag, value in values(argv, *flags):
         try:
-            number = int(value)
+            yield flag, int(value)
         except ValueError:
             continue  # fairseq's parser names it
+
+
+def check_sizes(argv):
+    for flag, number in _integers(argv, _SIZES):
         if number < 1:
             raise UsageError("%s must be >= 1 (got %d; fairseq would read it as no limit): give "
                              "a positive size, or leave the flag out" % (flag, number))
+    for flag, number in _integers(argv, _COUNTS):
+        if number < 1:
+            raise UsageError("%s must be >= 1 (got %d; %s)" % (flag, number, _COUNTS[flag]))
 
 
 def check_precision(argv):

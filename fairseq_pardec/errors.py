@@ -7,16 +7,61 @@ for fairseq's CLIs (whose ``main`` is not ours) :func:`install_cli_boundary` hoo
 exception. Anything else keeps its traceback: a ``ValueError`` from a bug is not a user error.
 """
 
+import atexit
+import errno
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 
 from fairseq_pardec import failures
 
 
 class UsageError(ValueError):
     """Bad input or options; the message names the problem and the flag that fixes it."""
+
+
+class OutputError(OSError):
+    """An output file could not be written (a full disk, a folder made read-only meanwhile).
+
+    Still an ``OSError`` (with the cause's ``errno``) for a library caller; the message names the
+    file and the flag that chose it, and says that the earlier file there is intact.
+    """
+
+    def __init__(self, message, cause=None):
+        super().__init__(message)
+        self.errno = getattr(cause, "errno", None)
+        self.filename = getattr(cause, "filename", None)
+
+    def __str__(self):
+        return self.args[0]
+
+
+def output_error(error, path, flag):
+    """:class:`OutputError` for ``error`` (an ``OSError``) met writing ``path``, given by ``flag``."""
+    reason = (error.strerror or str(error)) if isinstance(error, OSError) else str(error)
+    hint = {errno.ENOSPC: "free some space, or give %s on another disk" % flag,
+            errno.EDQUOT: "free some of your quota, or give %s on another disk" % flag,
+            errno.EROFS: "give %s on a writable file system" % flag,
+            errno.EACCES: "give %s a directory you can write" % flag,
+            errno.EPERM: "give %s a directory you can write" % flag}.get(
+        getattr(error, "errno", None), "check %s" % flag)
+    return OutputError("%s: cannot write %s (%s); nothing was replaced: the earlier file there, "
+                       "if any, is intact; %s" % (flag, path, reason, hint), error)
+
+
+class Terminated(SystemExit):
+    """SIGTERM (``timeout``, ``kill``, Slurm, ``docker stop``) ended the command line.
+
+    Raised where the run is, as Ctrl-C's ``KeyboardInterrupt`` is, so that open files are closed
+    and settled on the way out; a ``SystemExit`` so that no ``except Exception`` of fairseq's
+    swallows it, with status 143 (128 + 15, what a shell reports for a run SIGTERM ended).
+    """
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
 
 
 PREFIX = "fairseq_pardec: error: "
@@ -44,16 +89,18 @@ _FAIRSEQ_FAILURES = (
     (FileNotFoundError, failures.MISSING_SPLIT, failures.missing_split),
     (Exception, failures.NO_LANGUAGE_PAIR, failures.no_language_pair),
     (Exception, failures.TOO_LONG, failures.too_long),
+    (Exception, failures.TRUNCATED_BIN, failures.truncated_bin),
 )
 
 # fairseq's failures that their text alone does not identify: where they were raised (a
 # checkpoint that fairseq's reader cannot read) or several parts of the text matter.
-_FAIRSEQ_RULES = (failures.bad_checkpoint, failures.dictionary_mismatch)
+_FAIRSEQ_RULES = (failures.bad_checkpoint, failures.dictionary_mismatch,
+                  failures.no_space, failures.bad_binarized_file)
 
 
 def one_line(error):
     """The one-line message for ``error``, or None when it is not a known user error."""
-    if isinstance(error, UsageError):
+    if isinstance(error, (UsageError, OutputError)):
         return PREFIX + str(error)
     for rule in _FAIRSEQ_RULES:
         message = rule(error)
@@ -98,9 +145,56 @@ def on_interrupt(report, first=False):
     _interrupt_reports.insert(0, report) if first else _interrupt_reports.append(report)
 
 
-def interrupted_line():
+def interrupted_line(cause="Ctrl-C"):
     parts = [part for part in (report() for report in _interrupt_reports) if part]
-    return PREFIX + "interrupted (Ctrl-C)" + (": " + "; ".join(parts) if parts else "")
+    return PREFIX + "interrupted (%s)" % cause + (": " + "; ".join(parts) if parts else "")
+
+
+def _terminate(signum, frame):
+    """SIGTERM's handler: end the run as Ctrl-C does (see :class:`Terminated`)."""
+    if os.getpid() != _sigterm_owner:
+        # a forked child (a DataLoader worker) that a process-group kill (Slurm) reached: it
+        # has nothing to settle, and the main process reports; die as SIGTERM would have it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the settling short
+    error = Terminated()
+    uncaught.append(error)
+    # registered last, so it runs first at exit: after the stack has unwound (fairseq's output
+    # file closed) and before the other exit handlers, which read ``uncaught``
+    atexit.register(lambda: sys.stderr.write(interrupted_line("SIGTERM") + "\n"))
+    raise error
+
+
+def handle_sigterm():
+    """Make SIGTERM end the command line as Ctrl-C does: one line, files settled, status 143.
+
+    Only where SIGTERM still has its default action (a program that set its own keeps it) and
+    from the main thread (the only one that may set a handler).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    global _sigterm_owner
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        _sigterm_owner = os.getpid()
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+_sigterm_owner = None
+
+
+def quiet_finalizers():
+    """After a one-line error, drop the tracebacks of finalizers (``__del__``) that fail at exit
+    on objects the error left half-built (fairseq's reader of a broken ``.idx``): they are the
+    same error again, told as a traceback."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if getattr(unraisable.object, "__name__", None) != "__del__":
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def install_cli_boundary():
@@ -123,6 +217,8 @@ def install_cli_boundary():
         if line is None:
             return previous(kind, error, traceback)
         sys.stderr.write(line + "\n")
+        quiet_finalizers()
 
     hook._pardec = True
     sys.excepthook = hook
+    handle_sigterm()

@@ -125,10 +125,71 @@ MISSING_SPLIT = r"Dataset not found: (\S+) \((.*)\)$"
 
 def missing_split(match):
     split, folder = match.group(1), match.group(2)
-    splits = sorted({n.split(".")[0] for n in _names(folder, lambda n: n.endswith(".bin"))})
-    return ("%s %s: data directory %s has no such split (no %s.*.bin); it has: %s"
-            % (flag_of(split, "--gen-subset"), split, folder, split,
-               _shown(splits)))
+    flag = "%s %s" % (flag_of(split, "--gen-subset"), split)
+    names = set(_names(folder))
+    # fairseq-preprocess writes each file as a pair, SPLIT.SRC-TGT.LANG.bin and .idx: fairseq
+    # reports a split with half a pair as missing altogether
+    for name in sorted(names):
+        stem, ext = os.path.splitext(name)
+        if name.startswith(split + ".") and ext in (".bin", ".idx"):
+            other = stem + (".idx" if ext == ".bin" else ".bin")
+            if other not in names:
+                return ("%s: data directory %s has %s but not %s (fairseq-preprocess writes "
+                        "both): copy the missing file, or binarize the split again"
+                        % (flag, folder, name, other))
+    stems = {os.path.splitext(n)[0] for n in names}
+    splits = sorted({s.split(".")[0] for s in stems
+                     if s + ".bin" in names and s + ".idx" in names})
+    return ("%s: data directory %s has no such split (no %s.*.bin); it has: %s"
+            % (flag, folder, split, _shown(splits)))
+
+
+# the reader's functions that take the file's path (its writers, fairseq-preprocess's, do not count)
+_READERS = ("__init__", "_do_init", "read_index", "read_data", "infer_dataset_impl")
+
+
+def bad_binarized_file(error):
+    """fairseq's reader of a binarized split failed on its files: an ``.idx`` that is not
+    fairseq's (random bytes, another format) or cut short."""
+    if not isinstance(error, Exception) or isinstance(error, MemoryError):
+        return None
+    path, reader, traceback = None, None, getattr(error, "__traceback__", None)
+    while traceback is not None:  # the deepest frame of the reader that names its file
+        frame = traceback.tb_frame
+        if (frame.f_globals.get("__name__") == "fairseq.data.indexed_dataset"
+                and frame.f_code.co_name in _READERS and "path" in frame.f_locals):
+            path, reader = frame.f_locals["path"], frame.f_code.co_name
+        traceback = traceback.tb_next
+    if not isinstance(path, str):
+        return None
+    prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
+    name = prefix + (".bin" if reader == "read_data" else ".idx")
+    said = str(error).split(". ")[0].split("\n")[0] or type(error).__name__
+    return ("%s is not a file of a binarized split that fairseq can read, or it is cut short "
+            "(%s): copy the split's files again, or binarize it again with fairseq-preprocess "
+            "(and the same --dataset-impl)" % (name, said))
+
+
+# A .bin file shorter than its .idx says, met when a DataLoader worker reads a sentence (the
+# worker's traceback is text by then); --task translation_pardec checks it at load time instead
+TRUNCATED_BIN = r"offset must be non-negative and no greater than buffer length"
+
+
+def truncated_bin(match):
+    return ("a binarized .bin file of the data is shorter than its .idx says (truncated): "
+            "copy the data directory again, or binarize it again with fairseq-preprocess "
+            "(--task translation_pardec names the file)")
+
+
+def no_space(error):
+    """A full disk or quota, met while writing anything (a checkpoint, a log)."""
+    import errno
+
+    if not isinstance(error, OSError) or error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    where = " writing %s" % error.filename if error.filename else ""
+    return ("%s%s: free some space, or write to another disk (--save-dir, --results-path, "
+            "--out-dir)" % (error.strerror or "no space left on device", where))
 
 
 NO_LANGUAGE_PAIR = r"Could not infer language pair"

@@ -26,7 +26,10 @@ import torch
 
 from fairseq_pardec.benchmark.report import markdown, plot
 from fairseq_pardec.benchmark.specs import check_spec
-from fairseq_pardec.errors import PREFIX, UsageError, one_line, warn
+from fairseq_pardec import errors
+from fairseq_pardec.errors import (PREFIX, UsageError, install_cli_boundary, one_line,
+                                   running_a_cli, warn)
+from fairseq_pardec.output_files import replace_together
 
 logger = logging.getLogger("fairseq_pardec.benchmark")
 
@@ -309,7 +312,8 @@ def run(args):
     for batch_size in args.batch_sizes:
         samples = batches(task, model, dataset, batch_size, args.max_sentences, use_cuda, utils)
         generators = {spec[0]: build(task, models[paths[spec[0]]], spec, args, use_cuda) for spec in specs}
-        warm = samples[: max(1, args.warmup_sentences // batch_size)]
+        # at least one batch, unless --warmup-sentences 0 asks for none (cold timings)
+        warm = samples[: max(1, args.warmup_sentences // batch_size)] if args.warmup_sentences else []
         for label, generator in generators.items():  # warm-up (caches, allocator, threads)
             decode(task, models[paths[label]], generator, warm)
         times = {label: [] for label in generators}
@@ -429,7 +433,9 @@ def get_parser():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-sentences", type=int, default=None, help="first N sentences only")
-    p.add_argument("--warmup-sentences", type=int, default=16)
+    p.add_argument("--warmup-sentences", type=int, default=16,
+                   help="sentences decoded by each generator before the timed runs (at least "
+                   "one batch; 0: none)")
     p.add_argument("--max-len-a", type=float, default=1.2)
     p.add_argument("--max-len-b", type=int, default=10)
     p.add_argument("--remove-bpe", default="@@ ", help="BPE marker to remove before scoring")
@@ -445,7 +451,12 @@ def get_parser():
 
 def cli_main(argv=None):
     """The command line: errors of ours, and fairseq's known failures on bad files, become one
-    line (exit status 1), as in fairseq's CLIs; anything else keeps its traceback."""
+    line (exit status 1), as in fairseq's CLIs; anything else keeps its traceback. Ctrl-C and
+    SIGTERM end it in one line too (the boundary's)."""
+    if running_a_cli():
+        # ``python -m`` imports the package while sys.argv[0] is still "-m", so importing the
+        # plugin did not install the boundary for this command line
+        install_cli_boundary()
     try:
         return main(get_parser().parse_args(argv))
     except Exception as error:
@@ -468,9 +479,24 @@ def make_out_dir(path):
                          % path)
 
 
+# options that must be at least 1 or 0; a value below fell through to a traceback (an empty
+# subset, a division by zero) or was silently read as another one
+_AT_LEAST = (("repeats", 1), ("threads", 1), ("max_sentences", 1), ("warmup_sentences", 0),
+             ("max_len_a", 0), ("max_len_b", 0))
+
+
+def check_numbers(args):
+    for name, least in _AT_LEAST:
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise UsageError("--%s must be >= %d (got %s)" % (name.replace("_", "-"), least, value))
+    low = [b for b in args.batch_sizes if b < 1]
+    if low:
+        raise UsageError("--batch-sizes must be >= 1 (got %d)" % low[0])
+
+
 def main(args):
-    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes) or args.threads < 1:
-        raise UsageError("--repeats, --batch-sizes and --threads must be >= 1")
+    check_numbers(args)
     if not os.path.isdir(args.data):
         raise UsageError("data directory %r does not exist" % args.data)
     if not os.path.isfile(args.path):
@@ -478,6 +504,7 @@ def main(args):
     for spec in args.generators:  # before minutes of loading and decoding
         parse_spec(spec)
     make_out_dir(args.out_dir)
+    errors.on_interrupt(lambda: results_kept(args.out_dir))
     if args.repeats < 3:
         # the first timed round still pays one-time costs (allocator growth, thread pools) that
         # one warm-up batch does not settle; the median of three or more discounts it
@@ -503,14 +530,36 @@ def main(args):
         table += "\n" + step_table.markdown(
             meta["steps"], {r["batch_size"]: r["ct2_ms_per_step"] for r in meta["steps"]
                             if "ct2_ms_per_step" in r})
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
-        f.write(table)
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    plot(rows, os.path.join(args.out_dir, "quality_vs_speed.png"))
+    write_results(args.out_dir, table, meta, rows)
     print(table)
     return meta, rows
+
+
+RESULT_FILES = ("results.md", "results.json", "quality_vs_speed.png")
+
+
+def write_results(out_dir, table, meta, rows):
+    """The table, the JSON and the plot, all three or none (output_files.py): a full disk or an
+    interruption leaves the earlier run's files as they were."""
+    os.makedirs(out_dir, exist_ok=True)
+    document = json.dumps({"meta": meta, "rows": rows}, indent=2)
+
+    def text(content):
+        def write(path):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(content)
+        return write
+
+    md, js, png = (os.path.join(out_dir, name) for name in RESULT_FILES)
+    replace_together({md: text(table), js: text(document), png: lambda path: plot(rows, path)},
+                     "--out-dir")
+
+
+def results_kept(out_dir):
+    """Part of the interruption's line: results are written only at the end."""
+    earlier = [n for n in RESULT_FILES if os.path.isfile(os.path.join(out_dir, n))]
+    return "no results written%s" % (
+        "; the earlier %s in %s are kept" % (", ".join(earlier), out_dir) if earlier else "")
 
 
 if __name__ == "__main__":

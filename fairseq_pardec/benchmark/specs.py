@@ -14,6 +14,9 @@ from fairseq_pardec.errors import UsageError
 # keys of the spec itself, not of a config: another checkpoint, the row's name
 SPEC_KEYS = ("path", "label")
 
+# fairseq's generation counts that must be >= 1 (0 ends in a traceback from deep inside torch)
+_COUNTS = ("beam", "nbest")
+
 
 def check_spec(spec, options):
     """UsageError for the first thing wrong with ``spec`` (its text), parsed into
@@ -24,7 +27,7 @@ def check_spec(spec, options):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from fairseq_pardec.decoding.registry import GENERATORS
+    from fairseq_pardec.decoding.registry import GENERATORS, SPECS
     from fairseq_pardec.decoding.options import ARG_VALIDATORS
     from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig
 
@@ -52,6 +55,20 @@ def check_spec(spec, options):
             raise UsageError("--generators %s: %s=%r is not a valid value%s"
                              % (spec, key, given.get(key), " (expected %s)" % _type_name(expected)
                                 if expected is not None else "")) from None
+    for key in _COUNTS:
+        if key in config_options and config_options[key] < 1:
+            raise UsageError("--generators %s: %s must be >= 1 (got %s)"
+                             % (spec, key, config_options[key]))
+    beam = config_options.get("beam", 1)
+    if SPECS[name].greedy_only and beam != 1:
+        # a greedy-only generator decodes with beam 1 whatever the spec says: the row would
+        # carry a beam it never used (the command line refuses a typed --beam alike)
+        raise UsageError("--generators %s: %s decodes greedily (beam 1); drop beam=%s, or use "
+                         "beam:beam=%s" % (spec, name, beam, beam))
+    nbest = config_options.get("nbest", 1)
+    if SPECS[name].greedy_only and nbest != 1:
+        raise UsageError("--generators %s: %s returns one hypothesis; drop nbest=%s"
+                         % (spec, name, nbest))
     for key, value in config_options.items():
         validate = ARG_VALIDATORS.get("--" + key.replace("_", "-"))
         if validate is not None:

@@ -26,6 +26,7 @@ from fairseq_pardec.decoding.registry import GENERATORS, SPECS, help_text
 from fairseq_pardec.decoding.fairseq_baselines import use_beam_one
 from fairseq_pardec.decoding.options import ARG_VALIDATORS, refuse
 from fairseq_pardec.models.loading import mark_from_checkpoint
+from fairseq_pardec.tasks.binarized_data import check_binarized
 from fairseq_pardec.tasks.checkpoint_fit import refuse_non_verifiers, warn_other_direction
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,10 @@ class TranslationPardecTask(TranslationTask):
             raise UsageError("--block-size must be >= 1 (got %d)" % cfg.block_size)
         return super().setup_task(cfg, **kwargs)
 
+    def load_dataset(self, split, epoch=1, combine=False, **kwargs):
+        super().load_dataset(split, epoch=epoch, combine=combine, **kwargs)
+        check_binarized(self.datasets[split], split)
+
     def build_model(self, cfg, from_checkpoint=False):
         if from_checkpoint:  # our models then skip their --init-from-* files (models/loading.py)
             warn_other_direction(self.cfg, cfg)
@@ -254,6 +259,12 @@ class TranslationPardecTask(TranslationTask):
             raise UsageError("--generator %s cannot build the generator class %s that the "
                              "caller asks for (seq_gen_cls); drop --generator or seq_gen_cls"
                              % (asked, getattr(seq_gen_cls, "__name__", seq_gen_cls)))
+        if getattr(args, "score_reference", False) and asked != "beam":
+            # fairseq scores the reference with its own scorer and decodes nothing: the
+            # generator asked for would never run, and the output would not say so
+            raise UsageError("--score-reference scores the references and decodes nothing, so "
+                             "--generator %s would not be used: drop --generator %s (or "
+                             "--score-reference to decode)" % (asked, asked))
         if getattr(args, "score_reference", False) or seq_gen_cls is not None:
             # Scoring and callers that bring their own generator class get fairseq's path.
             return super().build_generator(
