@@ -1,9 +1,13 @@
-"""The lossless contract on a GPU, and the float16 divergence audit (skipped without CUDA).
+"""The static step on a GPU, the lossless contract there, and the float16 divergence audit
+(skipped without CUDA).
 
-Run on a GPU machine with ``pytest -m cuda tests``. In float32 the engine must equal fairseq
-greedy on CUDA as on the CPU; in float16 a verified block and a one-token step use different
-kernels and can round differently, so that test measures and prints how often the output
-differs (the README's contract), and only checks that the audit runs on real decoding.
+Run on a GPU machine with ``pytest -m cuda tests``. The static step's CUDA graphs replay what the
+same code computes eagerly (the code tests/test_static_step.py checks on the CPU), with bucket
+padding and rows leaving mid-bucket, and never read the device inside a call. In float32 the
+engine on it must equal fairseq greedy on CUDA as on the CPU; in float16 a verified block and a
+one-token step use different kernels and can round differently, so that test measures and prints
+how often the output differs (the README's contract), and only checks that the audit runs on
+real decoding.
 """
 
 import copy
@@ -15,6 +19,8 @@ from fairseq_pardec.benchmark.runner import divergence
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.fairseq_rules import running_scores
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
+from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.step.static import StaticBlockDecoder
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 from test_engine_lossless import RandomDrafter, lengths
@@ -47,6 +53,7 @@ def test_random_model_lossless_fp32(batch_size):
     for drafter in (CopyDrafter(d, d), RandomDrafter(len(d), d.pad()),
                     LookupDrafter(d, d, table, adaptive=True)):
         generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), max_len_a=1.2, max_len_b=10)
+        assert isinstance(generator.block_decoder, StaticBlockDecoder)
         assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
 
 
@@ -79,3 +86,126 @@ def test_fp16_divergence_audit(copy_model):
           % (torch.cuda.get_device_name(0), 100 * identical, first))
     assert len(outputs) == 8 * 64
     assert identical > 0.5  # a decisive (trained) model: rounding flips few choices
+
+
+def _schedule(step, model, sample, seed, shrink=True):
+    """A random block / rollback / rows-leaving schedule on CUDA (ragged blocks of 1-6
+    positions); every call's features, padding zeroed. The same seed gives the same schedule."""
+    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    bsz = sample["net_input"]["src_tokens"].size(0)
+    vocab = model.decoder.embed_tokens.num_embeddings
+    g = torch.Generator().manual_seed(seed)
+    state = step.new_state()
+    start = torch.zeros(bsz, dtype=torch.long)
+    last = torch.full((bsz,), 2, dtype=torch.long)
+    features = []
+    with torch.no_grad():
+        for it in range(10):
+            width = int(torch.randint(1, 7, (1,), generator=g))
+            lens = torch.randint(1, width + 1, (start.numel(),), generator=g)
+            block = torch.randint(4, vocab, (start.numel(), width), generator=g)
+            block[:, 0] = last
+            block_pad = torch.arange(width).unsqueeze(0) >= lens.unsqueeze(1)
+            x = step.forward_block(block.cuda(), start.cuda(), block_pad.cuda(), encoder_out, state)
+            features.append(x.masked_fill(block_pad.cuda().unsqueeze(-1), 0.0).cpu())
+            keep = torch.stack([torch.randint(1, int(n) + 1, (1,), generator=g)[0] for n in lens])
+            step.rollback(state, width, keep.cuda(), keep_range=(int(keep.min()), int(keep.max())))
+            last = block[torch.arange(start.numel()), keep - 1]
+            start = start + keep
+            if shrink and it in (3, 6) and start.numel() > 1:  # rows finish mid-bucket
+                alive = torch.arange(start.numel())[start.numel() // 3:]
+                start, last = start[alive], last[alive]
+                step.reorder(state, alive.cuda())
+                encoder_out = model.encoder.reorder_encoder_out(encoder_out, alive.cuda())
+    return features
+
+
+def _replay_equals_eager(model, sample, seed):
+    graphed, eager = StaticBlockDecoder(model.decoder), StaticBlockDecoder(model.decoder, graphs=False)
+    for _ in range(2):  # the second pass replays the graphs the first recorded
+        for x, y in zip(_schedule(graphed, model, sample, seed), _schedule(eager, model, sample, seed)):
+            # the same kernels on the same shapes; a tolerance all the same (cuBLAS may pick
+            # another algorithm inside a capture)
+            assert torch.allclose(x, y, rtol=0, atol=1e-5)
+    assert graphed.graph_count() > 0 and eager.graph_count() == 0
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+def test_graph_replay_equals_eager_random_model(batch_size):
+    d = make_dictionary(50)
+    model = tiny_transformer(make_task(d), seed=60 + batch_size).cuda()
+    sample = to_cuda(random_batch(d, lengths(batch_size), seed=batch_size))
+    _replay_equals_eager(model, sample, seed=batch_size)
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+def test_graph_replay_equals_eager_trained_model(copy_model, batch_size):
+    model, d, make_sample = copy_model
+    model = copy.deepcopy(model).cuda()
+    sample = to_cuda(make_sample(batch_size, seed=500 + batch_size))
+    _replay_equals_eager(model, sample, seed=batch_size)
+
+
+def test_bucket_padding_on_cuda():
+    """Five rows replayed on a graph of eight equal each row replayed alone (a graph of one),
+    and stay finite with the padding rows' buffers poisoned."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=61).cuda()
+    sample = to_cuda(random_batch(d, [5, 11, 2, 8, 14], seed=9))
+    enc = model.encoder.forward_torchscript(sample["net_input"])
+    step = StaticBlockDecoder(model.decoder)
+    g = torch.Generator().manual_seed(1)
+    first = torch.randint(4, 40, (5, 4), generator=g).cuda()
+    second = torch.randint(4, 40, (5, 3), generator=g).cuda()
+    kept = torch.tensor([4, 2, 3, 1, 4]).cuda()
+    with torch.no_grad():
+        for _ in range(2):  # record, then replay
+            state = step.new_state()
+            step.forward_block(first, torch.zeros_like(kept), torch.zeros_like(first, dtype=torch.bool),
+                               enc, state)
+            step.rollback(state, 4, kept, keep_range=(1, 4))
+            for t in state.slot.keys + state.slot.values + state.slot.enc_keys + state.slot.enc_values:
+                t[5:] = float("nan")
+            together = step.forward_block(second, kept, torch.zeros_like(second, dtype=torch.bool),
+                                          enc, state)
+        assert together.isfinite().all()
+        for r in range(5):
+            alone = step.new_state()
+            enc_r = model.encoder.reorder_encoder_out(enc, torch.tensor([r]).cuda())
+            n = int(kept[r])
+            step.forward_block(first[r:r + 1, :n], torch.zeros(1, dtype=torch.long).cuda(),
+                               torch.zeros(1, n, dtype=torch.bool).cuda(), enc_r, alone)
+            out = step.forward_block(second[r:r + 1], kept[r:r + 1],
+                                     torch.zeros(1, 3, dtype=torch.bool).cuda(), enc_r, alone)
+            assert torch.allclose(together[r], out[0], rtol=0, atol=1e-5)
+
+
+def test_a_call_never_reads_the_device():
+    """Replayed or eager, a call of the static step and its rollback queue work and return:
+    torch's sync debug mode raises on any operation that waits for the GPU."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=62).cuda()
+    sample = to_cuda(random_batch(d, [5, 11, 2, 8, 14, 3], seed=9))
+    enc = model.encoder.forward_torchscript(sample["net_input"])
+    block = torch.randint(4, 40, (6, 4), generator=torch.Generator().manual_seed(2)).cuda()
+    pad = torch.zeros(6, 4, dtype=torch.bool).cuda()
+    pad[1, 2:] = True
+    layout = BlockLayout(pad)
+    start = torch.zeros(6, dtype=torch.long).cuda()
+    keep = torch.ones(6, dtype=torch.long).cuda()
+    for graphs in (True, False):
+        step = StaticBlockDecoder(model.decoder, graphs=graphs)
+        with torch.no_grad():
+            state = step.new_state()
+            for _ in range(3):  # the first call starts the batch and records the graph
+                step.log_probs(step.forward_packed(block, start, layout, enc, state))
+                step.rollback(state, 4, keep, keep_range=(1, 1))
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(3):
+                    step.log_probs(step.forward_packed(block, start, layout, enc, state))
+                    step.rollback(state, 4, keep, keep_range=(1, 1))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")

@@ -8,9 +8,10 @@ pay. For each batch size the table times, on the benchmark's own sentences with 
 * fairseq's incremental step (what ``fairseq-generate --beam 1`` calls once per token), with
   its output projection and log-softmax, and the lean step (fairseq's operations in fairseq's
   order, step/lean.py) for one position;
-* the engine's block step for blocks of 1, 4, 8 and 16 positions (the fast step where it runs,
-  else the lean step), projection and log-softmax included; the block is rolled back after each
-  call so the cache stays at ``prefix``.
+* the engine's block step for blocks of 1, 4, 8 and 16 positions (the static step, replayed
+  as CUDA graphs, on CUDA; the fast step in float32 on the CPU; else the lean step), projection
+  and log-softmax included; the block is rolled back after each call so the cache stays at
+  ``prefix``. On CUDA each call is timed to the end of its kernels.
 
 Each cell is the median over ``repeats`` timed calls after a warm-up.
 """
@@ -22,21 +23,46 @@ from typing import Dict, List
 import torch
 
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.lean import block_decoder_for
+from fairseq_pardec.decoding.step.factory import block_decoder_for
 
 BLOCKS = (1, 4, 8, 16)
 
 
-def median_ms(call, repeats: int) -> float:
-    """Median wall time of ``repeats`` calls of ``call`` in ms, after a warm-up of 3."""
-    for _ in range(3):
+def median_ms(call, repeats: int, device=None) -> float:
+    """Median wall time of ``repeats`` calls of ``call`` in ms, after a warm-up of 3. On a CUDA
+    ``device`` each call is timed to the end of its kernels (a call only queues them)."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+
+    def timed():
         call()
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        timed()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        call()
+        timed()
         times.append(time.perf_counter() - start)
     return 1000.0 * statistics.median(times)
+
+
+def kernel_ms(call, repeats: int, device) -> float:
+    """Mean GPU kernel time of a call in ms (torch profiler, CUDA activity only), beside its wall
+    time: what the call costs the GPU, without the host's launches; NaN where the profiler sees
+    no kernels (a build without CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            call()
+        torch.cuda.synchronize(device)
+    total_us = sum(getattr(event, "self_device_time_total", 0.0) for event in prof.key_averages())
+    return total_us / repeats / 1000.0 if total_us > 0 else float("nan")
 
 
 def step_costs(model, sample, prefix: int = 16, repeats: int = 20,
@@ -66,7 +92,7 @@ def step_costs(model, sample, prefix: int = 16, repeats: int = 20,
                                   incremental_state=state)
             model.get_normalized_probs(out, log_probs=True)
 
-        costs["fairseq"] = median_ms(fairseq_step, repeats)
+        costs["fairseq"] = median_ms(fairseq_step, repeats, device)
 
         lean = block_decoder_for(decoder, lean=True, fast=False)
         lean_cache = lean.new_state()
@@ -82,9 +108,9 @@ def step_costs(model, sample, prefix: int = 16, repeats: int = 20,
             features = lean.forward_packed(history[:, prefix: prefix + 1], at_prefix, one,
                                            encoder_out, lean_cache)
             lean.log_probs(features)
-            lean.rollback(lean_cache, 1, none_kept)
+            lean.rollback(lean_cache, 1, none_kept, keep_range=(0, 0))
 
-        costs["lean"] = median_ms(lean_step, repeats)
+        costs["lean"] = median_ms(lean_step, repeats, device)
 
         engine = block_decoder_for(decoder, lean=True, fast=True)
         cache = engine.new_state()
@@ -100,9 +126,11 @@ def step_costs(model, sample, prefix: int = 16, repeats: int = 20,
             def block_step():
                 features = engine.forward_packed(block, at, layout, encoder_out, cache)
                 engine.log_probs(features)
-                engine.rollback(cache, length, reject)
+                engine.rollback(cache, length, reject, keep_range=(0, 0))
 
-            costs["block %d" % length] = median_ms(block_step, repeats)
+            costs["block %d" % length] = median_ms(block_step, repeats, device)
+            if length == 1 and torch.device(device).type == "cuda":
+                costs["block 1 kernels"] = kernel_ms(block_step, repeats, device)
     costs["engine"] = type(engine).__name__
     return costs
 
