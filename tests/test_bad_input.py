@@ -11,10 +11,8 @@ import pytest
 
 from fairseq_pardec.errors import UsageError, one_line, running_a_cli
 
-from test_cli import (  # noqa: F401  (fixtures)
-    N_TEST, PLUGIN, assert_clean_error, blockwise_checkpoint, cli_data, drafter_checkpoint, generate,
-    hypotheses, run,
-    stock_checkpoint,
+from test_cli import (  # noqa: F401  (the CLI fixtures come from conftest.py)
+    N_TEST, PLUGIN, assert_clean_error, generate, hypotheses, run,
 )
 
 
@@ -307,7 +305,12 @@ def test_results_path_under_a_file(cli_data, stock_checkpoint, tmp_path):
     assert_clean_error(proc, "--results-path", "%s is a file, not a directory" % (tmp_path / "a-file"))
 
 
-def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_checkpoint, tmp_path):
+@pytest.mark.parametrize("sent,said,status", [
+    ("SIGINT", "interrupted (Ctrl-C)", None),  # Python dies of SIGINT: -2, 130 in a shell
+    ("SIGTERM", "interrupted (SIGTERM)", 143),  # what timeout, kill, Slurm and docker stop send
+])
+def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_checkpoint, tmp_path,
+                                                            sent, said, status):
     import signal
     import time
 
@@ -341,22 +344,27 @@ def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_chec
                             stderr=subprocess.PIPE, text=True, env=env)
     began = time.time()
     while time.time() - began < 300 and proc.poll() is None:
-        text = earlier.read_text(encoding="utf-8", errors="replace") if earlier.exists() else ""
-        if text != EARLIER and len(hypotheses(text)) >= 2:
-            break  # this run's file, under the name of the earlier one (moved aside meanwhile)
+        # this run writes under the partial name; the earlier file is not touched meanwhile
+        text = partial.read_text(encoding="utf-8", errors="replace") if partial.exists() else ""
+        if len(hypotheses(text)) >= 2:
+            break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    assert earlier.read_text(encoding="utf-8") == EARLIER
+    proc.send_signal(getattr(signal, sent))
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode != 0
+    if status is not None:
+        assert proc.returncode == status
     assert "Traceback" not in stderr, stderr[-2000:]
     assert "pardec generator=" not in stderr  # no summary of a run that did not finish
-    lines = [l for l in stderr.splitlines() if "interrupted (Ctrl-C)" in l]
-    assert len(lines) == 1, stderr[-2000:]
+    lines = [l for l in stderr.splitlines() if "fairseq_pardec: error:" in l]
+    assert len(lines) == 1 and said in lines[0], stderr[-2000:]
     written = len(hypotheses(partial.read_text(encoding="utf-8")))
     assert 2 <= written < 300
     assert "%d hypotheses written to %s" % (written, partial) in lines[0]
     assert "of 300 sentences decoded" in lines[0]
     assert earlier.read_text(encoding="utf-8") == EARLIER
+    assert sorted(p.name for p in results.iterdir()) == [partial.name, earlier.name]
 
 
 # ---------------------------------------------------------------------- the benchmark
