@@ -4,15 +4,81 @@ Install torch first, then fairseq without build isolation (see README, "Install"
 builds fairseq against a freshly downloaded (CUDA, multi-GB) torch.
 """
 
-from setuptools import find_packages, setup
+import importlib.util
+import os
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+STEP = Path(__file__).resolve().parent / "fairseq_pardec" / "decoding" / "step"
+NATIVE = "fairseq_pardec.decoding.step.libpardec_native"
+
+
+def _native_build():
+    """decoding/step/native_build.py, loaded by path (the package imports torch)."""
+    spec = importlib.util.spec_from_file_location("_pardec_native_build", STEP / "native_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildNativeKernels(build_ext):
+    """The native kernels as one shared library (loaded with ctypes, linked against neither
+    Python, torch nor an OpenMP runtime): each kernel source compiled once per variant of
+    native_build.variants(), one dispatcher binding the CPU's best variant at load time. A
+    failed build leaves the package without the library, never the install failed: native.py
+    then builds the kernels for the machine on first use."""
+
+    def get_ext_filename(self, fullname):
+        # a plain name, no Python ABI tag: the library is not a Python module (asked by full
+        # name or by its last part, as distutils does)
+        parts = fullname.split(".")
+        if fullname == NATIVE or fullname == NATIVE.split(".")[-1]:
+            return os.path.join(*parts[:-1], _native_build().LIBRARY_NAME)
+        return super().get_ext_filename(fullname)
+
+    def build_extension(self, ext):
+        if ext.name != NATIVE:
+            return super().build_extension(ext)
+        try:
+            self._build_native(ext)
+        except Exception as error:  # any compiler failure: the run-time build remains
+            self.warn("the native kernels were not built (%s); fairseq_pardec builds them on "
+                      "first use where a C compiler is found" % error)
+
+    def _build_native(self, ext):
+        build = _native_build()
+        temp = Path(self.build_temp) / "pardec_native"
+        objects = []
+        names = []
+        for name, flags in build.variants():
+            objects += self.compiler.compile(
+                [str(STEP / source) for source in build.KERNEL_SOURCES],
+                output_dir=str(temp / name), macros=[("PARDEC_ISA", name)],
+                include_dirs=[str(STEP)], extra_postargs=flags + ["-g0"])
+            names.append(name)
+        objects += self.compiler.compile(
+            [str(STEP / source) for source in build.COMMON_SOURCES],
+            output_dir=str(temp / "common"),
+            macros=[("PARDEC_VARIANTS", build.variants_macro(names)),
+                    ("PARDEC_SOURCE_DIGEST", '"%s"' % build.source_digest())],
+            include_dirs=[str(STEP)], extra_postargs=["-O2", "-g0"])
+        output = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        self.compiler.link_shared_object(objects, output, libraries=["m"])
+
 
 setup(
     name="fairseq_pardec",
     version="0.1.0",
     description="Blockwise, aggressive (IAD/GAD) and interleaved bidirectional decoding for fairseq",
     packages=find_packages(include=["fairseq_pardec", "fairseq_pardec.*"]),
-    # the native product kernel's source, compiled on first use (decoding/step/native.py)
-    package_data={"fairseq_pardec.decoding.step": ["native_linear.c", "native_layers.c"]},
+    # the native kernels: built at install time (BuildNativeKernels); their sources ship too,
+    # for the build at run time where the install could not compile them (decoding/step/native.py)
+    ext_modules=[Extension(NATIVE, sources=[], optional=True)],
+    cmdclass={"build_ext": BuildNativeKernels},
+    package_data={"fairseq_pardec.decoding.step": ["native_*.c", "native_*.h"]},
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.6,<3",

@@ -1,19 +1,32 @@
-"""The native kernels (native_linear.c, native_layers.c, native_scores.c): built on first use,
+"""The native kernels (native_linear.c, native_layers.c, native_scores.c): one shared library
 loaded with ctypes.
 
 The fast step multiplies one to a few rows per product at batch 1, where the weight's read is
 the whole cost and the library kernels' own overhead per call is larger than the read (see
 native_linear.c); the rest of a decoder layer there is dispatch, which native_layers.c runs
 without (a whole call's layer stack in one native call); native_scores.c finds each position's
-best two scores for the engine. The kernels are small C files compiled here with the machine's
-C compiler (``$CC``, else ``cc`` or ``gcc``) and ``-O3 -march=native -fopenmp``, once per source, compiler
-and CPU: the library is cached under ``$FAIRSEQ_PARDEC_CACHE`` (default
-``~/.cache/fairseq_pardec``), written under a temporary name and renamed, so that processes
-decoding side by side never load a half-written file.
+best two scores for the engine.
 
-Where there is no compiler, the build fails, or the built kernel miscomputes a test product,
-:func:`native_kernel` returns None and says why in :func:`native_unavailable_reason`; the fast
-step then uses the library kernels (products.py), as it does with ``FAIRSEQ_PARDEC_NATIVE=0``.
+Where the library comes from, in this order:
+- the package's own, built at install time by setup.py for every x86-64 level, the CPU's best
+  bound at load time (native_dispatch.c), or capped by ``$FAIRSEQ_PARDEC_NATIVE_ARCH`` when
+  that names a level (``x86-64-v3``: the suite's AVX2 pass);
+- else (no compiler at install time, an in-place build older than its sources, or
+  ``$FAIRSEQ_PARDEC_NATIVE_ARCH`` naming another target) a build at run time with the
+  machine's C compiler (``$CC``, else ``cc`` or ``gcc``) for ``-march=native`` (or that
+  target), cached (native_cache.py) under a name keyed by the sources, the compiler and what
+  it targets here (its predefined macros: the instruction sets it may emit), so that a cache
+  shared by machines of different CPUs never hands one a build for another's instructions.
+
+The library links no OpenMP runtime: its loops run on the one torch has loaded, found in the
+process's mappings and handed over by address (native_parallel.c); loading it is checked to
+bring no second runtime into the process.
+
+Where there is no library, no compiler, the build fails, or the library miscomputes a test
+product, :func:`native_kernel` returns None and says why in :func:`native_unavailable_reason`;
+the fast step then uses the library kernels (products.py), as it does with
+``FAIRSEQ_PARDEC_NATIVE=0``. The first call loads or builds under a lock: threads starting
+together all get the kernel.
 """
 
 import ctypes
@@ -31,18 +44,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fairseq_pardec.decoding.step import native_build, native_cache
+
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("native_linear.c", "native_layers.c", "native_scores.c")]
-# -march: the machine's own instruction set unless FAIRSEQ_PARDEC_NATIVE_ARCH names another (the
-# test suite's AVX2 pass builds for x86-64-v3, as it caps torch's kernels at AVX2)
+INSTALLED = Path(__file__).with_name(native_build.LIBRARY_NAME)
+# -march of the run-time build: the machine's own instruction set unless this names another; an
+# x86-64 level (x86-64, x86-64-v2, -v3, -v4) caps the installed library's variant instead
 ARCH_VARIABLE = "FAIRSEQ_PARDEC_NATIVE_ARCH"
-BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
-
-
-def _flags():
-    return ["-march=" + os.environ.get(ARCH_VARIABLE, "native")] + BASE_FLAGS
+OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 
 # the tables pardec_decoder_layers reads (native_layers.c): dims, per-layer weight pointers,
 # per-layer cache pointers; their sizes, as the library reports them
@@ -52,12 +62,22 @@ LAYERS_ABI = LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
 _kernel = None
 _reason: Optional[str] = None
 _tried = False
+_first_use = threading.Lock()
 
 
 class NativeKernel:
-    """``linear`` over weights stored by ``pack`` (the panel layout of native_linear.c)."""
+    """``linear`` over weights stored by ``pack`` (the panel layout of native_linear.c).
 
-    def __init__(self, library: ctypes.CDLL):
+    ``path``: the library loaded; ``installed``: whether it is the one built at install time
+    (else built at run time, in the cache); ``variant``: the instruction set bound
+    (native_dispatch.c); ``openmp``: the OpenMP runtime its threads come from (None: one
+    thread); ``build_id``: names its kernel choices in the cache (products.KernelChoice)."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path, installed: bool, openmp: Optional[str],
+                 build_id: str):
+        self.path, self.installed, self.openmp, self.build_id = path, installed, openmp, build_id
+        library.pardec_variant.restype = ctypes.c_char_p
+        self.variant = library.pardec_variant().decode()
         self._linear = library.pardec_linear
         self._linear.restype = None
         self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -126,42 +146,160 @@ class NativeKernel:
         return values.tolist(), best.tolist()
 
 
-def _library_path(compiler: str) -> Path:
-    """Where the build for this source, compiler and CPU lives."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=60).stdout
-    cpu = ""
+def openmp_runtimes() -> List[str]:
+    """The OpenMP runtimes mapped into this process (files named libgomp*, libiomp*, libomp*),
+    from /proc/self/maps; empty where there is no such file."""
+    found = set()
     try:
-        with open("/proc/cpuinfo") as info:
-            cpu = "".join(line for line in info if line.startswith(("flags", "model name")))
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                if len(fields) < 6:
+                    continue
+                path = fields[5].strip()
+                name = os.path.basename(path)
+                if name.startswith(OPENMP_NAMES) and ".so" in name and not path.endswith(
+                        "(deleted)"):
+                    found.add(path)
     except OSError:
         pass
-    sources = [source.read_text() for source in SOURCES]
-    digest = hashlib.sha256("\0".join(sources + [" ".join(_flags()), version, cpu])
-                            .encode()).hexdigest()[:16]
-    root = Path(os.environ.get("FAIRSEQ_PARDEC_CACHE",
-                               Path.home() / ".cache" / "fairseq_pardec"))
-    return root / ("native_linear-%s.so" % digest)
+    return sorted(found)
 
 
-def _build() -> NativeKernel:
+def _torch_openmp(runtimes: List[str]) -> Optional[str]:
+    """The runtime torch uses: the one shipped inside torch's package (or its wheel's .libs
+    folder), else the only one mapped; None where there is none or no way to tell."""
+    package = os.path.dirname(os.path.realpath(torch.__file__))
+    own = [path for path in runtimes
+           if os.path.realpath(path).startswith((package + os.sep, package + ".libs" + os.sep))]
+    if len(own) == 1:
+        return own[0]
+    return runtimes[0] if len(runtimes) == 1 else None
+
+
+def _bind_openmp(library: ctypes.CDLL, runtime: Optional[str]) -> Optional[str]:
+    """Hand ``runtime``'s GOMP_parallel, omp_get_thread_num and omp_get_num_threads to the
+    library (opened with RTLD_NOLOAD: the copy already mapped, never a new one); the library's
+    loops run on the calling thread where this fails. Returns the runtime bound, or None."""
+    library.pardec_use_openmp.restype = ctypes.c_int
+    library.pardec_use_openmp.argtypes = [ctypes.c_void_p] * 3
+    if runtime is not None:
+        try:
+            openmp = ctypes.CDLL(runtime, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            entries = [ctypes.cast(getattr(openmp, name), ctypes.c_void_p).value
+                       for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")]
+            if library.pardec_use_openmp(*entries):
+                return runtime
+        except (OSError, AttributeError) as error:
+            logger.info("the native kernels run on one thread: %s", error)
+    library.pardec_use_openmp(None, None, None)
+    return None
+
+
+def _open(path: Path, installed: bool, build_id: str, cap: Optional[int] = None) -> NativeKernel:
+    """Load a library, bind its variant (at most ``cap``'s level) and torch's OpenMP runtime,
+    and check it."""
+    before = openmp_runtimes()
+    library = ctypes.CDLL(str(path))
+    brought = sorted(set(openmp_runtimes()) - set(before))
+    if brought:
+        raise RuntimeError("%s brought an OpenMP runtime of its own into the process (%s); "
+                           "only torch's may run" % (path, ", ".join(brought)))
+    if cap is not None and library.pardec_select(cap) < 0:
+        raise RuntimeError("%s has no variant for this CPU at or below the level asked" % path)
+    kernel = NativeKernel(library, path, installed, _bind_openmp(library, _torch_openmp(before)),
+                          build_id)
+    _check(kernel)
+    return kernel
+
+
+def _installed() -> Optional[NativeKernel]:
+    """The library built at install time, or None where the package has none usable (the
+    reason logged)."""
+    arch = os.environ.get(ARCH_VARIABLE, "native")
+    if not INSTALLED.exists():
+        return None
+    if arch != "native" and arch not in native_build.LEVELS:
+        return None  # another target than the installed variants: built at run time
+    library = ctypes.CDLL(str(INSTALLED))
+    library.pardec_source_digest.restype = ctypes.c_char_p
+    built_from, digest = library.pardec_source_digest().decode(), native_build.source_digest()
+    if built_from != digest:
+        logger.info("%s was built from other sources than the ones next to it (an in-place "
+                    "build left behind by an edit); building them for this machine", INSTALLED)
+        return None
+    kernel = _open(INSTALLED, True, "installed-%s" % digest,
+                   native_build.LEVELS.get(arch, 1 << 20))
+    logger.debug("native kernels: %s (%s)", INSTALLED, kernel.variant)
+    return kernel
+
+
+def _compiler() -> str:
     compiler = next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)),
                     None)
     if compiler is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
-    path = _library_path(compiler)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-            built = Path(scratch) / path.name
-            result = subprocess.run([compiler, *_flags(), *map(str, SOURCES), "-lm", "-o", str(built)],
-                                    capture_output=True, text=True, timeout=300)
-            if result.returncode != 0:
-                raise RuntimeError("%s failed: %s" % (compiler, result.stderr.strip()[-500:]))
-            os.replace(built, path)
-    # torch is imported, so the OpenMP runtime the library needs is torch's, already loaded
-    kernel = NativeKernel(ctypes.CDLL(str(path)))
-    _check(kernel)
+    return compiler
+
+
+def _run(command: List[str], what: str) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError("%s failed: %s" % (what, result.stderr.strip()[-500:]))
+    return result.stdout
+
+
+def _build_flags() -> List[str]:
+    return native_build.OPTIMIZE + ["-march=" + os.environ.get(ARCH_VARIABLE, "native")]
+
+
+def _target(compiler: str, flags: List[str]) -> str:
+    """What ``compiler`` with ``flags`` targets here: its version and its predefined macros
+    (__AVX512F__, __FMA__, __ARM_FEATURE_SVE, ...: the instructions it may emit), digested."""
+    version = _run([compiler, "--version"], compiler + " --version")
+    macros = _run([compiler, *flags, "-E", "-dM", "-x", "c", os.devnull],
+                  "%s %s" % (compiler, " ".join(flags)))
+    text = "\0".join([version, " ".join(flags), "\n".join(sorted(macros.splitlines()))])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _built() -> Path:
+    """The run-time build for this machine: from the cache, or compiled into it, under the
+    cache's lock (a process that finds another compiling waits and loads its build)."""
+    compiler = _compiler()
+    flags = _build_flags()
+    source = native_build.source_digest()
+    root = native_cache.cache_root()
+    path = root / native_cache.build_name(source, _target(compiler, flags))
+    with native_cache.locked(root):
+        if path.exists():
+            os.utime(path)  # in use: not pruned
+        else:
+            here = native_build.HERE
+            with tempfile.TemporaryDirectory(dir=root, prefix=".tmp-") as scratch:
+                built = Path(scratch) / path.name
+                _run([compiler, *flags, "-shared", "-fPIC", "-DPARDEC_ISA=native",
+                      "-DPARDEC_VARIANTS=X(native)", '-DPARDEC_SOURCE_DIGEST="%s"' % source,
+                      "-I", str(here),
+                      *(str(here / name) for name in native_build.COMMON_SOURCES
+                        + native_build.KERNEL_SOURCES),
+                      "-lm", "-o", str(built)], compiler)
+                os.replace(built, path)
+            logger.info("native kernels built for this machine: %s", path)
+        native_cache.prune(root, source)
+    return path
+
+
+def _load() -> NativeKernel:
+    kernel = None
+    try:
+        kernel = _installed()
+    except (OSError, RuntimeError) as error:
+        logger.warning("the installed native kernels cannot run here (%s); building them for "
+                       "this machine", error)
+    if kernel is None:
+        path = _built()
+        kernel = _open(path, False, path.stem)
     return kernel
 
 
@@ -187,19 +325,23 @@ def _check(kernel: NativeKernel):
 
 
 def native_kernel() -> Optional[NativeKernel]:
-    """The kernel, built and checked on first call; None where it cannot run here."""
+    """The kernel, loaded (or built) and checked on first call; None where it cannot run here.
+    Threads calling it together wait for the first one's load and get its result."""
     global _kernel, _reason, _tried
-    if not _tried:
-        _tried = True
-        if os.environ.get("FAIRSEQ_PARDEC_NATIVE", "1") == "0":
-            _reason = "FAIRSEQ_PARDEC_NATIVE=0"
-        else:
-            try:
-                _kernel = _build()
-            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                _reason = str(error)
-                logger.warning("native product kernel unavailable (%s); the fast step uses "
-                               "the library kernels", _reason)
+    if _tried:
+        return _kernel
+    with _first_use:
+        if not _tried:
+            if os.environ.get("FAIRSEQ_PARDEC_NATIVE", "1") == "0":
+                _reason = "FAIRSEQ_PARDEC_NATIVE=0"
+            else:
+                try:
+                    _kernel = _load()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                    _reason = str(error)
+                    logger.warning("native product kernel unavailable (%s); the fast step uses "
+                                   "the library kernels", _reason)
+            _tried = True
     return _kernel
 
 

@@ -22,8 +22,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-void pardec_linear(const float *x, int64_t M, int64_t K, const float *panels, const float *bias,
-                   const float *add, float *y, int64_t N, int relu, int threads);
+#include "native_kernels.h"
+
+void PARDEC_API(pardec_linear)(const float *x, int64_t M, int64_t K, const float *panels,
+                               const float *bias, const float *add, float *y, int64_t N,
+                               int relu, int threads);
+/* the product of this file's instruction set */
+#define pardec_linear PARDEC_API(pardec_linear)
 
 /* dims, in this order */
 enum { D_LAYERS, D_ROWS, D_BATCH, D_LENGTH, D_FIRST, D_CAPACITY, D_MODEL, D_HEADS, D_HEAD_DIM,
@@ -39,7 +44,7 @@ enum { W_QKV, W_QKV_B, W_OUT, W_OUT_B, W_CQ, W_CQ_B, W_CO, W_CO_B, W_FC1, W_FC1_
  * keys, encoder values (B, cross heads, S, head_dim) */
 enum { S_KEYS, S_VALUES, S_ENC_KEYS, S_ENC_VALUES, S_COUNT };
 
-int pardec_layers_abi(void) { return D_COUNT * 10000 + W_COUNT * 100 + S_COUNT; }
+int PARDEC_API(pardec_layers_abi)(void) { return D_COUNT * 10000 + W_COUNT * 100 + S_COUNT; }
 
 #define PTR(table, i) ((const float *)(intptr_t)(table)[i])
 
@@ -150,6 +155,48 @@ static void attend(const float *q, const float *keys, const float *values, int64
                    next_values, next_count);
 }
 
+/* One attention per (row, head) task: the self-attention's (causal over the cache, or every
+ * entry for an encoder) or the encoder attention's (every real source position). */
+struct attention {
+    int64_t heads, dim;
+    int64_t slot;    /* entries per (batch row, head) in keys and values */
+    int64_t keys;    /* keys every query reads, or -1: causal, first + the row's time + 1 */
+    int64_t first;   /* the block's first cache entry */
+    const float *queries, *keys_at, *values_at;
+    int64_t query_stride, out_stride; /* floats from one row's queries (outputs) to the next */
+    const uint8_t *flags; /* (batch, slot), or NULL */
+    int flags_skip;
+    const int64_t *row_batch, *row_time;
+    float *out;
+    int64_t tasks;
+};
+
+static inline int64_t keys_read(const struct attention *a, int64_t n) {
+    return a->keys >= 0 ? a->keys : a->first + a->row_time[n] + 1;
+}
+
+static void attention_tasks(void *context, int64_t first_task, int64_t last_task) {
+    const struct attention *a = context;
+    for (int64_t task = first_task; task < last_task; task++) {
+        const int64_t n = task / a->heads, h = task % a->heads;
+        const int64_t b = a->row_batch[n];
+        const int64_t count = keys_read(a, n);
+        float scores[count];
+        const int64_t from = (b * a->heads + h) * a->slot * a->dim;
+        /* the next task's keys and values are asked for while this one computes */
+        int64_t next_count = 0, next_from = 0;
+        if (task + 1 < a->tasks) {
+            const int64_t n1 = (task + 1) / a->heads, h1 = (task + 1) % a->heads;
+            next_count = keys_read(a, n1);
+            next_from = (a->row_batch[n1] * a->heads + h1) * a->slot * a->dim;
+        }
+        attend(a->queries + n * a->query_stride + h * a->dim, a->keys_at + from,
+               a->values_at + from, count, a->dim, a->flags ? a->flags + b * a->slot : NULL,
+               a->flags_skip, scores, a->out + n * a->out_stride + h * a->dim,
+               a->keys_at + next_from, a->values_at + next_from, next_count);
+    }
+}
+
 /* dims: D_COUNT values (see the enum); weights: W_COUNT pointers per layer; eps: 3 per layer;
  * state: S_COUNT pointers per layer; index: (rows) the packed rows' places in the time-major
  * (length, batch) grid, or NULL for a dense block; masked: (batch, capacity) nonzero for cache
@@ -158,9 +205,10 @@ static void attend(const float *q, const float *keys, const float *values, int64
  * Each row's block entries are written at the cache's [first, first + length).
  * An encoder (D_ENCODER): rows are batch-major (batch, length), every row attends to all
  * length entries not masked, and the encoder-attention weights and state are not read. */
-void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const double *eps,
-                           const int64_t *state, const int64_t *index, const uint8_t *masked,
-                           const uint8_t *enc_attend, float *x) {
+void PARDEC_API(pardec_decoder_layers)(const int64_t *dims, const int64_t *weights,
+                                        const double *eps, const int64_t *state,
+                                        const int64_t *index, const uint8_t *masked,
+                                        const uint8_t *enc_attend, float *x) {
     const int64_t layers = dims[D_LAYERS], rows = dims[D_ROWS], batch = dims[D_BATCH];
     const int64_t first = dims[D_FIRST], capacity = dims[D_CAPACITY], model = dims[D_MODEL];
     const int64_t heads = dims[D_HEADS], head_dim = dims[D_HEAD_DIM];
@@ -217,25 +265,10 @@ void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const do
                        sizeof(float) * head_dim);
             }
         }
-#pragma omp parallel for schedule(static) num_threads(threads) if (parallel_attention)
-        for (int64_t task = 0; task < rows * heads; task++) {
-            const int64_t n = task / heads, h = task % heads;
-            const int64_t b = row_batch[n];
-            const int64_t count = encoder ? keys_seen : first + row_time[n] + 1;
-            float scores[count];
-            const int64_t from = (b * heads + h) * capacity * head_dim;
-            /* the next task's keys and values are asked for while this one computes */
-            int64_t next_count = 0, next_from = 0;
-            if (task + 1 < rows * heads) {
-                const int64_t n1 = (task + 1) / heads, h1 = (task + 1) % heads;
-                next_count = encoder ? keys_seen : first + row_time[n1] + 1;
-                next_from = (row_batch[n1] * heads + h1) * capacity * head_dim;
-            }
-            attend(wide + n * 3 * self_width + h * head_dim, cache_keys + from,
-                   cache_values + from, count, head_dim, masked ? masked + b * capacity : NULL, 1,
-                   scores, attended + n * self_width + h * head_dim, cache_keys + next_from,
-                   cache_values + next_from, next_count);
-        }
+        struct attention self = {heads, head_dim, capacity, encoder ? keys_seen : -1, first,
+                                 wide, cache_keys, cache_values, 3 * self_width, self_width,
+                                 masked, 1, row_batch, row_time, attended, rows * heads};
+        pardec_parallel_for(self.tasks, parallel_attention ? threads : 1, attention_tasks, &self);
         pardec_linear(attended, rows, self_width, PTR(w, W_OUT), PTR(w, W_OUT_B), x, next, model,
                       0, threads);
         memcpy(x, next, sizeof(float) * rows * model);
@@ -251,23 +284,11 @@ void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const do
             }
             pardec_linear(in, rows, model, PTR(w, W_CQ), PTR(w, W_CQ_B), NULL, wide, cross_width,
                           0, threads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (parallel_attention)
-            for (int64_t task = 0; task < rows * cross_heads; task++) {
-                const int64_t n = task / cross_heads, h = task % cross_heads;
-                const int64_t b = row_batch[n];
-                float scores[source];
-                const int64_t from = (b * cross_heads + h) * source * cross_dim;
-                int64_t next_from = 0, next_count = 0;
-                if (task + 1 < rows * cross_heads) {
-                    const int64_t n1 = (task + 1) / cross_heads, h1 = (task + 1) % cross_heads;
-                    next_from = (row_batch[n1] * cross_heads + h1) * source * cross_dim;
-                    next_count = source;
-                }
-                attend(wide + n * cross_width + h * cross_dim, enc_keys + from, enc_values + from,
-                       source, cross_dim, enc_attend ? enc_attend + b * source : NULL, 0, scores,
-                       attended + n * cross_width + h * cross_dim, enc_keys + next_from,
-                       enc_values + next_from, next_count);
-            }
+            struct attention cross = {cross_heads, cross_dim, source, source, first, wide,
+                                      enc_keys, enc_values, cross_width, cross_width, enc_attend,
+                                      0, row_batch, row_time, attended, rows * cross_heads};
+            pardec_parallel_for(cross.tasks, parallel_attention ? threads : 1, attention_tasks,
+                                &cross);
             pardec_linear(attended, rows, cross_width, PTR(w, W_CO), PTR(w, W_CO_B), x, next,
                           model, 0, threads);
             memcpy(x, next, sizeof(float) * rows * model);
@@ -305,10 +326,12 @@ void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const do
  * outside its table. */
 /* no fused multiply-add: fairseq rounds the scaled embedding before adding the position */
 __attribute__((optimize("fp-contract=off")))
-int pardec_embed_block(const int64_t *tokens, const int64_t *start, const int64_t *index,
-                       int64_t rows, int64_t batch, int64_t length, int64_t offset, float scale,
-                       const float *embeddings, int64_t vocabulary, const float *positions,
-                       int64_t position_rows, int64_t model, float *x) {
+int PARDEC_API(pardec_embed_block)(const int64_t *tokens, const int64_t *start,
+                                   const int64_t *index, int64_t rows, int64_t batch,
+                                   int64_t length, int64_t offset, float scale,
+                                   const float *embeddings, int64_t vocabulary,
+                                   const float *positions, int64_t position_rows, int64_t model,
+                                   float *x) {
     for (int64_t n = 0; n < rows; n++) {
         const int64_t place = index ? index[n] : n;
         const int64_t t = place / batch, b = place % batch;

@@ -9,8 +9,8 @@
  * are 8 + 8 + 5, three reads of the panel, not 8 + 8 + 4 + 1); while a panel's first rows are
  * computed, the next panel is prefetched into L2 (the weights of a decoding step do not stay in
  * this machine's caches from one step to the next: without it a product of 8 rows waited on
- * memory at every panel). The panels are shared among the OpenMP threads (the library is linked
- * against the OpenMP runtime torch has loaded, so it uses torch's threads).
+ * memory at every panel). The panels are shared among torch's OpenMP threads (borrowed:
+ * native_kernels.h).
  *
  * Measured against the kernel with rows in 8, 4, 2, 1 and no prefetch (AMD EPYC, 2 threads,
  * alternating calls, median of 150; cold: a 48 MB buffer written before each call): an 8496 x 256
@@ -20,15 +20,18 @@
  *
  * Each output sums its K products in order k = 0 .. K-1 (fused multiply-add where the machine
  * has it): another rounding than MKL's or oneDNN's, by about 1e-6 relative in float32, which
- * the fast step's margin guard covers (fast.py, DEFAULT_MARGIN). Built with -march=native on
- * the machine that runs it (native.py).
+ * the fast step's margin guard covers (fast.py, DEFAULT_MARGIN). Compiled once per x86-64
+ * level and chosen for the CPU at load time (setup.py, native_dispatch.c), or for the machine
+ * that runs it where the package came without its build (native.py).
  */
 
 #include <stdint.h>
 
+#include "native_kernels.h"
+
 #define PANEL 32
 
-int pardec_panel_width(void) { return PANEL; }
+int PARDEC_API(pardec_panel_width)(void) { return PANEL; }
 
 /* prefetch: where the next panel is, or NULL; each k step asks for the same offset of it, so
  * that the panel is on its way to L2 while this one is computed */
@@ -67,16 +70,22 @@ typedef void (*panel_fn)(const float *restrict, int64_t, const float *restrict, 
 static const panel_fn PANELS[9] = {0, panel_1, panel_2, panel_3, panel_4,
                                    panel_5, panel_6, panel_7, panel_8};
 
-/* x: (M, K) rows, contiguous; panels: ceil(N / PANEL) panels of (K, PANEL), the columns past N
- * zero; bias: (N,) or NULL; add: (M, N) contiguous or NULL (a residual added after the bias);
- * y: (M, N) contiguous, written. */
-void pardec_linear(const float *x, int64_t M, int64_t K, const float *panels, const float *bias,
-                   const float *add, float *y, int64_t N, int relu, int threads) {
-    const int64_t count = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && count > 1)
-    for (int64_t p = 0; p < count; p++) {
+struct product {
+    const float *x, *panels, *bias, *add;
+    float *y;
+    int64_t M, K, N, count;
+    int relu;
+};
+
+/* the panels [first_panel, last_panel) of a product, every row */
+static void product_panels(void *context, int64_t first_panel, int64_t last_panel) {
+    const struct product *c = context;
+    const float *x = c->x, *bias = c->bias, *add = c->add;
+    const int64_t M = c->M, K = c->K, N = c->N, count = c->count;
+    float *y = c->y;
+    for (int64_t p = first_panel; p < last_panel; p++) {
         float acc[8 * PANEL];
-        const float *panel = panels + p * K * PANEL;
+        const float *panel = c->panels + p * K * PANEL;
         const int64_t first = p * PANEL;
         const int64_t width = N - first < PANEL ? N - first : PANEL;
         const float *next = p + 1 < count ? panel + K * PANEL : 0;
@@ -90,11 +99,21 @@ void pardec_linear(const float *x, int64_t M, int64_t K, const float *panels, co
                     float v = acc[m * PANEL + j];
                     if (bias) v += bias[first + j];
                     if (extra) v += extra[j];
-                    if (relu && v < 0.f) v = 0.f;
+                    if (c->relu && v < 0.f) v = 0.f;
                     out[j] = v;
                 }
             }
             m0 += rows;
         }
     }
+}
+
+/* x: (M, K) rows, contiguous; panels: ceil(N / PANEL) panels of (K, PANEL), the columns past N
+ * zero; bias: (N,) or NULL; add: (M, N) contiguous or NULL (a residual added after the bias);
+ * y: (M, N) contiguous, written. The panels are split among ``threads`` threads. */
+void PARDEC_API(pardec_linear)(const float *x, int64_t M, int64_t K, const float *panels,
+                               const float *bias, const float *add, float *y, int64_t N,
+                               int relu, int threads) {
+    struct product product = {x, panels, bias, add, y, M, K, N, (N + PANEL - 1) / PANEL, relu};
+    pardec_parallel_for(product.count, threads, product_panels, &product);
 }

@@ -9,13 +9,20 @@
 #include <math.h>
 #include <stdint.h>
 
-/* x: (rows, cols); per row the largest value, the first column holding it, and the largest value
- * of the other columns (values: (rows, 2), best: (rows,)). cols >= 2. */
-void pardec_best_two(const float *x, int64_t rows, int64_t cols, float *values, int64_t *best,
-                     int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 4)
-    for (int64_t n = 0; n < rows; n++) {
-        const float *row = x + n * cols;
+#include "native_kernels.h"
+
+struct scores {
+    const float *x;
+    int64_t cols;
+    float *values;
+    int64_t *best;
+};
+
+static void best_two_rows(void *context, int64_t first, int64_t last) {
+    const struct scores *s = context;
+    const int64_t cols = s->cols;
+    for (int64_t n = first; n < last; n++) {
+        const float *row = s->x + n * cols;
         float top = -INFINITY;
 #pragma omp simd reduction(max : top)
         for (int64_t c = 0; c < cols; c++) top = row[c] > top ? row[c] : top;
@@ -26,8 +33,17 @@ void pardec_best_two(const float *x, int64_t rows, int64_t cols, float *values, 
         for (int64_t c = 0; c < at; c++) second = row[c] > second ? row[c] : second;
 #pragma omp simd reduction(max : second)
         for (int64_t c = at + 1; c < cols; c++) second = row[c] > second ? row[c] : second;
-        values[2 * n] = top;
-        values[2 * n + 1] = second;
-        best[n] = at;
+        s->values[2 * n] = top;
+        s->values[2 * n + 1] = second;
+        s->best[n] = at;
     }
+}
+
+/* x: (rows, cols); per row the largest value, the first column holding it, and the largest value
+ * of the other columns (values: (rows, 2), best: (rows,)). cols >= 2. Threads only past 4 rows:
+ * below, waking them costs more than the rows. */
+void PARDEC_API(pardec_best_two)(const float *x, int64_t rows, int64_t cols, float *values,
+                                 int64_t *best, int threads) {
+    struct scores scores = {x, cols, values, best};
+    pardec_parallel_for(rows, rows > 4 ? threads : 1, best_two_rows, &scores);
 }

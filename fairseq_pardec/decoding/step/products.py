@@ -9,25 +9,31 @@ decoder's chain of products 1.6x faster than ``addmm`` at one row and 2.9x faste
 (docs/results.md, "The fast step's products"; ``examples/decoder_products_cost.py``), and the
 native kernel halved oneDNN's time inside a step at one row (docs/results.md, "A native
 product kernel"), while for a hundred rows and more oneDNN is the fastest. So
-:class:`KernelChoice` measures each kernel on the decoder's own weights, once per thread count,
-for one row, a few rows, a batch's step and a batch's block, and each call takes the kernel
-measured fastest for its row count.
+:class:`KernelChoice` picks a kernel per row-count regime (one row, a few rows, a batch's step,
+a batch's block) on the decoder's own weights: by rule where one kernel always wins, by
+measurement elsewhere, and keeps the choice per machine in the kernels' cache.
 
 All three round differently from fairseq's ``F.linear`` (about 1e-6 in float32); the margin
 guard covers each (fast.py, DEFAULT_MARGIN; tests/test_fast_step.py runs every kernel).
 """
 
+import functools
+import json
 import os
+import platform
 import statistics
+import threading
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_pardec.errors import UsageError
+from fairseq_pardec.decoding.step import native_build
 from fairseq_pardec.decoding.step.native import native_kernel
+from fairseq_pardec.decoding.step.native_cache import ChoiceCache
 from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
 
 # rows 1 | 2..16 | 17..64 | more, and the row count measured for each: a batch-1 step, a
@@ -37,6 +43,23 @@ _PROBE_ROWS = (1, 8, 32, 256)
 
 MKL, ONEDNN, NATIVE = "mkl", "onednn", "native"
 KERNELS = (MKL, ONEDNN, NATIVE)
+
+# Per regime, the kernel kept unless another is measured faster by a clear margin, best first
+# among those that run. At one row and a few rows a layer stack's kernel is not measured at all
+# where the native kernel runs: there it also runs a decoder call's (or an encoder's) whole
+# layer stack in one native call (fast.py, layer_stack.py), which timing the products alone
+# does not see. Timed alone, the
+# products of a batch-1 step came out close enough between the native kernel and MKL on an
+# Intel Xeon that the choice fell on MKL in about half the runs, and those runs decoded at half
+# the speed (12.9-14.4 against 22.3-24.5 sentences a second). For a batch's step the native
+# kernel was the fastest where measured (AMD EPYC, up to 64 rows), for a batch's block a
+# library kernel (docs/results.md, "A native product kernel").
+_PREFERRED = ((NATIVE, ONEDNN, MKL), (NATIVE, ONEDNN, MKL), (NATIVE, ONEDNN, MKL),
+              (ONEDNN, MKL, NATIVE))
+_NATIVE_BY_RULE = (True, True, False, False)
+# another kernel replaces the preferred one only when its median time is this much shorter, or
+# more where the two kernels' own times spread more than that (a loaded machine)
+_MARGIN = 0.15
 
 
 def _bucket(rows: int) -> int:
@@ -125,15 +148,62 @@ class FeedForward:
 KERNEL_VARIABLE = "FAIRSEQ_PARDEC_KERNEL"
 
 
+class _Chosen(NamedTuple):
+    """One published choice; replaced whole, never changed in place (threads read it while
+    another measures)."""
+    threads: Optional[int]
+    signature: Optional[str]
+    kernels: Tuple[str, ...]
+    pinned: bool
+
+
+def _decide(times: Dict[str, List[float]], preferred: Sequence[str]) -> str:
+    """The preferred kernel among those timed, unless another's median is shorter by more than
+    _MARGIN and than both kernels' spread (their interquartile ranges relative to their
+    medians): a difference within the noise keeps the choice where it was."""
+    median = {k: statistics.median(t) for k, t in times.items()}
+
+    def spread(kernel: str) -> float:
+        ordered = sorted(times[kernel])
+        if len(ordered) < 4 or median[kernel] <= 0:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(ordered, n=4)
+        return (q3 - q1) / median[kernel]
+
+    keep = next(k for k in preferred if k in times)
+    best = min(median, key=median.get)
+    if best == keep:
+        return keep
+    margin = max(_MARGIN, spread(keep) + spread(best))
+    return best if median[best] < median[keep] * (1 - margin) else keep
+
+
+@functools.lru_cache(maxsize=None)
+def _machine() -> str:
+    """What tells apart the stored choices of machines sharing a cache."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = "".join(sorted({line for line in info
+                                  if line.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        pass
+    return "%s|%s|%s" % (platform.node(), platform.machine(), cpu)
+
+
 class KernelChoice:
-    """Per row-count regime, which kernel runs a chain of :class:`Linear` maps fastest on this
-    machine; measured when first asked and again when the thread count changes, unless
-    ``$FAIRSEQ_PARDEC_KERNEL`` names one kernel for everything."""
+    """Per row-count regime, which kernel runs a chain of :class:`Linear` maps on this machine:
+    chosen when first asked and again when the thread count changes, unless
+    ``$FAIRSEQ_PARDEC_KERNEL`` names one kernel for everything.
+
+    A choice is made once per machine, kernel build, thread count and chain of shapes, and
+    stored in the kernels' cache (native_cache.ChoiceCache): later processes read it, so that
+    two runs of the same command run the same kernels. Safe to share between threads: a choice
+    is published whole, and threads that find it stale together choose once."""
 
     def __init__(self):
-        self._threads: Optional[int] = None
-        self._kernels: Sequence[str] = (MKL,) * len(_PROBE_ROWS)
-        self._pinned = False
+        self._chosen = _Chosen(None, None, (MKL,) * len(_PROBE_ROWS), False)
+        self._choosing = threading.Lock()
         pinned = os.environ.get(KERNEL_VARIABLE)
         if pinned:
             if pinned not in KERNELS:
@@ -147,60 +217,99 @@ class KernelChoice:
         anyone comparing the kernels)."""
         if kernel not in KERNELS:
             raise ValueError("unknown product kernel %r (one of %s)" % (kernel, ", ".join(KERNELS)))
-        self._kernels = (kernel,) * len(_PROBE_ROWS)
-        self._pinned = True
+        self._chosen = _Chosen(None, None, (kernel,) * len(_PROBE_ROWS), True)
 
     def measure(self, chain: List[List[Linear]], between: Optional[Callable[[int], object]] = None,
-                rounds: int = 3, calls: int = 3):
-        """Time ``chain`` (per layer, its maps in the order a step calls them) with each kernel,
-        alternating, for each probe row count. ``between(rows)``: what a step runs besides the
-        chain (the output projection), so that the weights leave the caches as they do in
-        decoding."""
-        if self._pinned:
+                rounds: int = 5, calls: int = 3, warmup: int = 2):
+        """Choose the kernels for ``chain`` (per layer, its maps in the order a step calls
+        them): the choice stored for this machine, else by rule for few rows (where the native
+        kernel runs) and by timing each kernel for the other regimes, after ``warmup`` runs,
+        ``rounds`` times ``calls`` runs alternating between kernels. ``between(rows)``: what a
+        step runs besides the chain (the output projection), so that the weights leave the
+        caches as they do in decoding."""
+        if self._chosen.pinned:
             return
-        self._threads = torch.get_num_threads()
+        threads = torch.get_num_threads()
         maps = [lin for layer in chain for lin in layer]
-        kernels = [k for k in KERNELS if maps and all(k in lin.kernels() for lin in maps)]
+        kernels = tuple(k for k in KERNELS if maps and all(k in lin.kernels() for lin in maps))
+        signature = json.dumps([[[lin.out_features, lin.in_features, lin.relu] for lin in layer]
+                                for layer in chain] + [list(kernels), between is not None])
+        with self._choosing:
+            chosen = self._chosen
+            if chosen.pinned or (chosen.threads, chosen.signature) == (threads, signature):
+                return  # pinned, or chosen by another thread meanwhile
+            choice = self._stored_or_chosen(chain, kernels, between, threads, signature,
+                                            rounds, calls, warmup)
+            self._chosen = _Chosen(threads, signature, choice, False)
+
+    def _stored_or_chosen(self, chain: List[List[Linear]], kernels: Tuple[str, ...], between,
+                          threads: int, signature: str, rounds: int, calls: int,
+                          warmup: int) -> Tuple[str, ...]:
+        maps = [lin for layer in chain for lin in layer]
         if len(kernels) < 2:
-            self._kernels = (kernels[0] if kernels else MKL,) * len(_PROBE_ROWS)
-            return
-        # a generator of its own: measuring must not move the global random state (--sampling)
-        noise = torch.Generator().manual_seed(0)
+            return (kernels[0] if kernels else MKL,) * len(_PROBE_ROWS)
+        native = native_kernel()
+        cache = ChoiceCache(native.build_id if native is not None else "library-kernels")
+        key = json.dumps([_machine(), threads, torch.__version__, signature])
+        stored = cache.load(key)
+        if (isinstance(stored, list) and len(stored) == len(_PROBE_ROWS)
+                and all(k in kernels for k in stored)):
+            return tuple(stored)
+        # a chain of layers of several products each: a layer stack (an output projection
+        # alone is timed in every regime)
+        stack = any(len(layer) > 1 for layer in chain)
         choice = []
-        with torch.no_grad():
-            for rows in _PROBE_ROWS:
-                inputs = {lin.in_features: torch.randn(rows, lin.in_features, generator=noise)
-                          for lin in maps}
-
-                def run(kernel: str):
-                    for lin in maps:
-                        lin(inputs[lin.in_features], kernel)
-                    if between is not None:
-                        between(rows)
-
-                times = {kernel: [] for kernel in kernels}
-                for kernel in kernels:
-                    run(kernel)  # warm-up
-                for _ in range(rounds):
-                    for kernel in kernels:
-                        for _ in range(calls):
-                            start = time.perf_counter()
-                            run(kernel)
-                            times[kernel].append(time.perf_counter() - start)
-                choice.append(min(kernels, key=lambda k: statistics.median(times[k])))
-        self._kernels = tuple(choice)
+        for regime, rows in enumerate(_PROBE_ROWS):
+            if NATIVE in kernels and stack and _NATIVE_BY_RULE[regime]:
+                choice.append(NATIVE)
+            else:
+                times = _timed(maps, kernels, between, rows, rounds, calls, warmup)
+                choice.append(_decide(times, _PREFERRED[regime]))
+        cache.store(key, choice, native_build.source_digest())
+        return tuple(choice)
 
     def pinned_to_library(self) -> bool:
         """True when pinned to a library kernel (MKL or oneDNN): nothing native runs then."""
-        return self._pinned and self._kernels[0] != NATIVE
+        chosen = self._chosen
+        return chosen.pinned and chosen.kernels[0] != NATIVE
 
     def stale(self) -> bool:
-        """True when the choice must be measured (first use, or another thread count)."""
-        return not self._pinned and self._threads != torch.get_num_threads()
+        """True when the choice must be made (first use, or another thread count)."""
+        chosen = self._chosen
+        return not chosen.pinned and chosen.threads != torch.get_num_threads()
 
     def kernel_for(self, rows: int) -> str:
-        return self._kernels[_bucket(rows)]
+        return self._chosen.kernels[_bucket(rows)]
 
     def chosen(self) -> Tuple[str, ...]:
         """The kernel per regime: one row, 2-16 rows, 17-64 rows, more."""
-        return tuple(self._kernels)
+        return tuple(self._chosen.kernels)
+
+
+def _timed(maps: List[Linear], kernels: Sequence[str], between, rows: int, rounds: int,
+           calls: int, warmup: int) -> Dict[str, List[float]]:
+    """Each kernel's time per run of the chain on ``rows`` rows, the runs alternating between
+    kernels (a machine that slows down for a while slows each of them)."""
+    # a generator of its own: measuring must not move the global random state (--sampling)
+    noise = torch.Generator().manual_seed(0)
+    times: Dict[str, List[float]] = {kernel: [] for kernel in kernels}
+    with torch.no_grad():
+        inputs = {lin.in_features: torch.randn(rows, lin.in_features, generator=noise)
+                  for lin in maps}
+
+        def run(kernel: str):
+            for lin in maps:
+                lin(inputs[lin.in_features], kernel)
+            if between is not None:
+                between(rows)
+
+        for _ in range(warmup):
+            for kernel in kernels:
+                run(kernel)
+        for _ in range(rounds):
+            for kernel in kernels:
+                for _ in range(calls):
+                    start = time.perf_counter()
+                    run(kernel)
+                    times[kernel].append(time.perf_counter() - start)
+    return times

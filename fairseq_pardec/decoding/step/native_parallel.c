@@ -1,0 +1,60 @@
+/* The native kernels' parallel loops on a borrowed OpenMP runtime (see native_kernels.h).
+ *
+ * GOMP_parallel is the entry point GCC itself compiles ``#pragma omp parallel`` into; libgomp,
+ * LLVM's libomp and Intel's libiomp5 all export it, so whichever runtime torch was built with
+ * runs the loops, on the same threads as torch's own kernels. The split is schedule(static)'s:
+ * the loops below were compiled with ``#pragma omp parallel for schedule(static)`` before, and
+ * every output is computed by one thread either way.
+ */
+
+#include <stddef.h>
+
+#define PARDEC_ANY_ISA /* one copy for every variant */
+#include "native_kernels.h"
+
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*omp_query_fn)(void);
+
+/* set once by native.py, before any kernel runs; NULL: no runtime, one thread */
+static gomp_parallel_fn gomp_parallel;
+static omp_query_fn thread_number, thread_count;
+
+int pardec_use_openmp(void *parallel, void *get_thread_num, void *get_num_threads) {
+    if (!parallel || !get_thread_num || !get_num_threads) {
+        gomp_parallel = NULL;
+        thread_number = thread_count = NULL;
+        return 0;
+    }
+    thread_number = (omp_query_fn)get_thread_num;
+    thread_count = (omp_query_fn)get_num_threads;
+    gomp_parallel = (gomp_parallel_fn)parallel;
+    return 1;
+}
+
+struct loop {
+    int64_t count;
+    pardec_range_fn body;
+    void *context;
+};
+
+static void run_share(void *data) {
+    const struct loop *loop = data;
+    const int64_t threads = thread_count(), me = thread_number();
+    int64_t share = loop->count / threads, extra = loop->count % threads, begin;
+    if (me < extra) {
+        share++;
+        begin = me * share;
+    } else {
+        begin = me * share + extra;
+    }
+    if (share > 0) loop->body(loop->context, begin, begin + share);
+}
+
+void pardec_parallel_for(int64_t count, int threads, pardec_range_fn body, void *context) {
+    if (threads <= 1 || count <= 1 || gomp_parallel == NULL) {
+        if (count > 0) body(context, 0, count);
+        return;
+    }
+    struct loop loop = {count, body, context};
+    gomp_parallel(run_share, &loop, (unsigned)threads, 0);
+}
