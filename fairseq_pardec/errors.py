@@ -207,13 +207,18 @@ def install_cli_boundary():
     previous = sys.excepthook
     if getattr(previous, "_pardec", False):
         return
+    # decided now, while sys.argv names the program: ``runpy`` (``python -m``, and harnesses
+    # that run a CLI module the same way) puts the original sys.argv[0] back as the exception
+    # leaves the module, before the hook runs
+    cli = running_a_cli()
 
     def hook(kind, error, traceback):
         uncaught.append(error)
-        if running_a_cli() and isinstance(error, KeyboardInterrupt):
+        here = cli or running_a_cli()
+        if here and isinstance(error, KeyboardInterrupt):
             sys.stderr.write(interrupted_line() + "\n")
             return  # Python still exits as killed by SIGINT (status 130 in a shell)
-        line = one_line(error) if running_a_cli() else None
+        line = one_line(error) if here else None
         if line is None:
             return previous(kind, error, traceback)
         sys.stderr.write(line + "\n")

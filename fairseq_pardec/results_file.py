@@ -4,10 +4,12 @@ fairseq opens ``RESULTS/generate-SUBSET.txt`` for writing before it loads the mo
 (a bad checkpoint, a refused option, Ctrl-C, SIGTERM, a full disk) left the earlier file truncated,
 or this run's first hypotheses under the normal name as if they were all. When the plugin is
 imported (before fairseq opens the file) fairseq-generate's ``open`` is pointed at this module:
-the run writes ``generate-SUBSET.partial.txt``, which is renamed over ``generate-SUBSET.txt`` when
-fairseq closes it after the last sentence. A run that fails keeps its hypotheses (if any) under the
-partial name and says so in one line; a run killed outright (SIGKILL) leaves them there too. The
-earlier file is never touched until a run completes.
+the run writes a temporary file of its own (``.generate-SUBSET.PID.tmp.txt``: processes that
+share the folder, sharded ranks, never write one file), which is renamed over
+``generate-SUBSET.txt`` when fairseq closes it after the last sentence. A run that fails or is
+interrupted moves its hypotheses (if any) to ``generate-SUBSET.partial.txt`` and says so in one
+line; only a run killed outright (SIGKILL) leaves the temporary file. The earlier file is never
+touched until a run completes.
 """
 
 import atexit
@@ -19,6 +21,7 @@ import tempfile
 from fairseq_pardec import errors
 from fairseq_pardec.cli_checks import program, values
 from fairseq_pardec.errors import UsageError, output_error
+from fairseq_pardec.output_files import temporary_name
 
 FLAG = "--results-path"
 
@@ -54,7 +57,7 @@ def _hypotheses(path):
 
 
 class _Staged:
-    """The file fairseq-generate writes, under the partial name; renamed to the results file
+    """The file fairseq-generate writes, under the temporary name; renamed to the results file
     when fairseq's ``with`` block ends without an exception (the last sentence written)."""
 
     def __init__(self, results, stream):
@@ -89,7 +92,7 @@ class _Staged:
         return self
 
     def __exit__(self, kind, error, traceback):
-        if kind is not None:  # the run failed: what it wrote stays partial (settled at exit)
+        if kind is not None:  # the run failed: what it wrote becomes partial (settled at exit)
             try:
                 self._stream.close()
             except OSError:
@@ -104,17 +107,18 @@ class ResultsFile:
     def __init__(self, path):
         self.path = path
         self.partial = partial_name(path)
+        self.temporary = temporary_name(path)
         self.staged = None
         self.settled = False
         errors.on_interrupt(self.interrupted)
         atexit.register(self.at_exit)
 
     def open(self, file, mode="r", *args, **kwargs):
-        """fairseq-generate's ``open``: its results file goes to the partial name."""
+        """fairseq-generate's ``open``: its results file goes to the temporary name."""
         if (self.staged is None and isinstance(file, (str, os.PathLike)) and "w" in mode
                 and os.path.abspath(file) == os.path.abspath(self.path)):
             try:
-                stream = builtins.open(self.partial, mode, *args, **kwargs)
+                stream = builtins.open(self.temporary, mode, *args, **kwargs)
             except OSError as error:
                 raise output_error(error, self.path, FLAG) from None
             self.staged = _Staged(self, stream)
@@ -124,22 +128,24 @@ class ResultsFile:
     def complete(self):
         self.settled = True
         try:
-            os.replace(self.partial, self.path)
+            os.replace(self.temporary, self.path)
         except OSError as error:
             raise output_error(error, self.path, FLAG) from None
 
     def keep_partial(self):
-        """This run's hypotheses, if any, stay under the partial name; an empty one goes.
-        Returns how many there are (0 when none was written)."""
+        """This run's hypotheses, if any, go to the partial name; an empty file goes.
+        Returns how many there are (0 when none was written, or they could not be moved)."""
         self.settled = True
-        if self.staged is None or not os.path.isfile(self.partial):
+        if self.staged is None or not os.path.isfile(self.temporary):
             return 0
-        written = _hypotheses(self.partial)
-        if not written:
-            try:
-                os.remove(self.partial)
-            except OSError:
-                pass
+        written = _hypotheses(self.temporary)
+        try:
+            if written:
+                os.replace(self.temporary, self.partial)
+            else:
+                os.remove(self.temporary)
+        except OSError:
+            return 0  # left under the temporary name: the line must not point elsewhere
         return written
 
     def _kept(self):

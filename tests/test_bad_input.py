@@ -344,8 +344,9 @@ def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_chec
                             stderr=subprocess.PIPE, text=True, env=env)
     began = time.time()
     while time.time() - began < 300 and proc.poll() is None:
-        # this run writes under the partial name; the earlier file is not touched meanwhile
-        text = partial.read_text(encoding="utf-8", errors="replace") if partial.exists() else ""
+        # this run writes under a temporary name; the earlier file is not touched meanwhile
+        writing = list(results.glob(".generate-train.*.tmp.txt"))
+        text = writing[0].read_text(encoding="utf-8", errors="replace") if writing else ""
         if len(hypotheses(text)) >= 2:
             break
         time.sleep(0.05)

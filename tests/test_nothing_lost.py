@@ -76,7 +76,8 @@ def test_results_file_takes_its_name_only_when_complete(tmp_path, no_exit_handle
     with staged.open(str(path), "w", buffering=1, encoding="utf-8") as h:  # as fairseq opens it
         print("H-0\t-0.2\tthis run", file=h)
         assert path.read_text(encoding="utf-8") == EARLIER  # untouched while the run writes
-        assert (tmp_path / "generate-test.partial.txt").exists()
+        assert os.path.exists(staged.temporary)  # the run's own name: ranks never share one
+        assert os.path.dirname(staged.temporary) == str(tmp_path)
     assert path.read_text(encoding="utf-8") == "H-0\t-0.2\tthis run\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["generate-test.txt"]
     assert staged.settled

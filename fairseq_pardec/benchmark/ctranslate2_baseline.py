@@ -42,6 +42,9 @@ def check_options(options):
             "ct2 takes only %s; %s is not a CTranslate2 option here"
             % (" and ".join(OPTIONS), ", ".join(unknown))
         )
+    beam = options.get("beam", 1)
+    if type(beam) is not int or beam < 1:
+        raise UsageError("ct2 beam=%r: the beam must be an integer >= 1" % (beam,))
 
 
 def convert(model, checkpoint, data_dir, cache_root, source_lang=None, target_lang=None):

@@ -32,8 +32,14 @@ def check_spec(spec, options):
     from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig
 
     name = spec.partition(":")[0]
-    if name == "ct2":
-        return  # ctranslate2_baseline.py checks its own options
+    if name == "ct2":  # CTranslate2's own options, checked before anything is loaded
+        from fairseq_pardec.benchmark.ctranslate2_baseline import check_options
+
+        try:
+            check_options({k: v for k, v in options.items() if k not in SPEC_KEYS})
+        except UsageError as error:
+            raise UsageError("--generators %s: %s" % (spec, error)) from None
+        return
     if name not in GENERATORS:
         raise UsageError("--generators %s: no generator %r; choose from %s, ct2"
                          % (spec, name, ", ".join(GENERATORS)))
