@@ -82,6 +82,13 @@ def check_sizes(argv):
     for flag, number in _integers(argv, _COUNTS):
         if number < 1:
             raise UsageError("%s must be >= 1 (got %d; %s)" % (flag, number, _COUNTS[flag]))
+    for flag, number in _integers(argv, ("--num-workers",)):
+        if number < 0:  # torch's DataLoader refuses it with a traceback, after the model loads
+            raise UsageError("--num-workers must be >= 0 (got %d; 0 loads batches in the main "
+                             "process)" % number)
+    for flag, number in _integers(argv, ("--seed",)):
+        if not 0 <= number < 2 ** 32:  # numpy's seed, a traceback after the model loads
+            raise UsageError("--seed must be between 0 and 2**32 - 1 (got %d)" % number)
 
 
 def check_precision(argv):

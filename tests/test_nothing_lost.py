@@ -226,6 +226,8 @@ def test_benchmark_installs_the_boundary_under_python_m(monkeypatch, tmp_path):
     (["--max-len-b", "-3"], "--max-len-b must be >= 0"),
     (["--batch-sizes", "1", "0"], "--batch-sizes must be >= 1 (got 0)"),
     (["--threads", "0"], "--threads must be >= 1 (got 0)"),
+    (["--generators", "ct2:beam=0"], "--generators ct2:beam=0: ct2 beam=0: the beam must be an "
+                                     "integer >= 1"),
 ])
 def test_benchmark_options_refused_before_loading(tmp_path, flags, needle):
     from fairseq_pardec.benchmark import runner
@@ -256,6 +258,18 @@ def test_counts_below_one(flag, needle):
     with pytest.raises(UsageError, match="%s must be >= 1 \\(got 0; %s\\)" % (flag, needle)):
         check_sizes(["/venv/bin/fairseq-generate", "data", flag, "0"])
     check_sizes(["/venv/bin/fairseq-generate", "data", flag, "2"])
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--num-workers", "-1", "--num-workers must be >= 0 (got -1"),
+    ("--seed", "-1", "--seed must be between 0 and 2**32 - 1 (got -1)"),
+    ("--seed", str(2 ** 32), "--seed must be between 0 and 2**32 - 1"),
+])
+def test_numbers_fairseq_refuses_only_after_loading(flag, value, needle):
+    with pytest.raises(UsageError) as refused:
+        check_sizes(["/venv/bin/fairseq-generate", "data", flag, value])
+    assert needle in str(refused.value)
+    check_sizes(["/venv/bin/fairseq-generate", "data", flag, "0"])
 
 
 def test_score_reference_with_a_generator_is_refused():
