@@ -5,6 +5,8 @@ or options: an ordinary exception (a ``ValueError``) that callers can catch. Onl
 lines turn it into ``fairseq_pardec: error: ...`` and exit status 1: our own CLIs catch it, and
 for fairseq's CLIs (whose ``main`` is not ours) :func:`install_cli_boundary` hooks the uncaught
 exception. Anything else keeps its traceback: a ``ValueError`` from a bug is not a user error.
+An output file that cannot be written raises :class:`OutputError` (an ``OSError``), told in one
+line too. Ctrl-C and SIGTERM end a command line in one line that says how far it got.
 """
 
 import atexit
