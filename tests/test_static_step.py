@@ -249,7 +249,7 @@ def _iad(model, d, **kwargs):
 def test_static_engine_equals_fairseq(batch_size):
     """Copy, random and lookup drafters on the static step give fairseq greedy's output, with
     the decisions made on the host and with the engine's tensor path, and with a length limit
-    that cuts sentences off."""
+    that cuts sentences off (at 64 rows, the copy drafter only)."""
     d = make_dictionary(50)
     model = tiny_transformer(make_task(d), seed=40 + batch_size)
     sample = random_batch(d, [1 + (i * 13) % 45 for i in range(batch_size)], seed=batch_size)
@@ -258,7 +258,7 @@ def test_static_engine_equals_fairseq(batch_size):
         table = NgramTable([h[0]["tokens"][:-1].tolist() for h in expected], len(d), d.eos(),
                            d.eos())
         drafters = [CopyDrafter(d, d)]
-        if limits["max_len_a"]:
+        if limits["max_len_a"] and batch_size < 64:  # (64 rows: the copy drafter only, for time)
             drafters += [RandomDrafter(len(d), d.pad()), LookupDrafter(d, d, table, adaptive=True)]
         for drafter in drafters:
             generator = on_static_step(
@@ -362,3 +362,46 @@ def test_new_weights_reach_the_static_step():
         got = step.forward_block(block, start, pad, enc, step.new_state())
         want = BlockDecoder(model.decoder).forward_block(block, start, pad, enc, {})
     assert torch.allclose(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_blockwise_merged_invocation_on_the_static_step(batch_size):
+    """Blockwise decoding reads its heads' proposals from the verifier's features of the last
+    kept position (merged invocation): on the static step it stays fairseq greedy."""
+    from test_blockwise import blockwise_generator, blockwise_model
+
+    d = make_dictionary(40)
+    task = make_task(d)
+    model = blockwise_model(task, heads=4, seed=batch_size)
+    torch.nn.init.normal_(model.decoder.proposal.fc2.weight, std=0.5)
+    sample = random_batch(d, [1 + (i * 11) % 30 for i in range(batch_size)], seed=batch_size)
+    expected = fairseq_greedy(model, d, sample, max_len_a=1.0, max_len_b=10)
+    generator = on_static_step(blockwise_generator(task, model), model)
+    assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
+    assert generator.stats.decoder_calls > 0
+
+
+def test_speculative_sampling_on_the_static_step():
+    """Speculative sampling on the static step draws fairseq's sampling distribution (the
+    chi-square check of tests/test_speculative.py, top-k and temperature)."""
+    from fairseq import search
+
+    from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
+    from test_speculative import (ALPHA, MAX_LEN_B, chi_square_pvalue, draw, drafting_copier,
+                                  one_source, peaked)
+
+    d = make_dictionary(5)
+    model = peaked(tiny_transformer(make_task(d), seed=31))
+    temperature, topk, topp = 0.7, 3, -1.0
+    torch.manual_seed(12345)
+    reference = SequenceGenerator([model], d, beam_size=1, max_len_a=0, max_len_b=MAX_LEN_B,
+                                  temperature=temperature,
+                                  search_strategy=search.Sampling(d, topk, topp))
+    want = draw(lambda s: reference.generate([model], s), one_source(d, 64), 800)
+    generator = on_static_step(DraftVerifyGenerator(
+        [model], d, drafting_copier(d), ExactAcceptance(), max_len_a=0, max_len_b=MAX_LEN_B,
+        temperature=temperature, sampler=SpeculativeSampler(SamplingFilter(topk, topp), 7)),
+        model)
+    got = draw(lambda s: generator.generate([model], s), one_source(d, 16), 800)
+    assert chi_square_pvalue(want, got) > ALPHA
+    assert generator.stats.tokens_per_iteration > 1.0  # drafts were accepted

@@ -119,17 +119,26 @@ class _Layer:
 
 
 class _Block:
-    """One block bucket's static inputs on a slot (what a recorded call reads)."""
+    """One block bucket's static inputs on a slot (what a recorded call reads).
+
+    A call writes only its real ``rows x length`` corner (tokens, padding, first steps or
+    explicit steps) and the two counts; the recorded call derives the bucket padding from the
+    counts, so whatever an earlier call left outside the corner is never read as real.
+    """
 
     def __init__(self, rows: int, width: int, device, pad: int):
         self.width = width
         self.tokens = torch.full((rows, width), pad, dtype=torch.long, device=device)
-        self.positions = torch.full((rows, width), pad + 1, dtype=torch.long, device=device)
-        self.pad = torch.ones(rows, width, dtype=torch.bool, device=device)
+        self.block_pad = torch.ones(rows, width, dtype=torch.bool, device=device)
+        self.start = torch.zeros(rows, dtype=torch.long, device=device)
+        self.steps = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.counts = torch.zeros(2, dtype=torch.long, device=device)  # real rows, real columns
+        self.filled = None  # the (rows, columns) the counts hold
         self.causal = torch.ones(width, width, dtype=torch.bool, device=device).tril_()
         self.inside = self.causal.clone()  # which block positions a block position sees
         self.own_mask = False  # ``inside`` holds a drafter's mask, not ``causal``
         self.query_index = torch.arange(width, device=device)
+        self.row_index = torch.arange(rows, device=device)
 
 
 class _Slot:
@@ -159,6 +168,7 @@ class _Slot:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.key_index = torch.arange(capacity, device=device)
         self.temperature = torch.ones((), device=device, dtype=dtype)
+        self.temperature_value = 1.0
         self.blocks: Dict[int, _Block] = {}
         self.graphs = GraphSet(torch.device(device))
         self.owner = None
@@ -243,6 +253,7 @@ class StaticBlockDecoder(LeanBlockDecoder):
         self._slots: Dict[Tuple[int, int, int], List[_Slot]] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._dense_index: Dict[tuple, Tensor] = {}
         # whether the calls compute the log-probabilities: a caller that never reads them
         # (a drafter reading its own slots' logits) stops paying for them after one call
         self.scores_in_call = True
@@ -360,16 +371,19 @@ class StaticBlockDecoder(LeanBlockDecoder):
             self.reserve(cache, cache.bound + width)
             slot = cache.slot
             block = slot.block(width, self.padding_idx)
-            self._fill(block, slot, tokens, start, layout.block_pad, steps, block_mask)
+            self._fill(block, tokens, start, layout.block_pad, steps, block_mask)
+            explicit = steps is not None
             pending = getattr(self._local, "scores", None)
             if pending is not None and pending.lprobs is not None:
                 self.scores_in_call = False  # the previous call's scores were never read
             scores = self.scores_in_call and not cache_only
             rules = self.token_rules if scores else None
-            if scores:
-                slot.temperature.fill_(getattr(self._local, "temperature", 1.0))
-            outputs = slot.graphs.call((width, scores, rules),
-                                       lambda: self._call(slot, block, scores, rules))
+            temperature = float(getattr(self._local, "temperature", 1.0))
+            if scores and slot.temperature_value != temperature:
+                slot.temperature.fill_(temperature)
+                slot.temperature_value = temperature
+            outputs = slot.graphs.call((width, explicit, scores, rules),
+                                       lambda: self._call(slot, block, explicit, scores, rules))
             # the lengths move outside the recorded call: a call must be repeatable
             slot.lengths[:bsz] += length
             cache.block_first, cache.block_len = cache.bound, length
@@ -380,44 +394,60 @@ class StaticBlockDecoder(LeanBlockDecoder):
                 return None
             index = self._pack_index(layout, bsz, length, slot.rows)
             features = outputs[0].index_select(0, index)
-            self._local.scores = _Scores(
-                features, outputs[1] if scores else None, index,
-                float(getattr(self._local, "temperature", 1.0)),
-                *(outputs[2:] if rules is not None else ()))
+            self._local.scores = _Scores(features, outputs[1] if scores else None, index,
+                                         temperature, *(outputs[2:] if rules is not None else ()))
         return features
 
-    def _fill(self, block: _Block, slot: _Slot, tokens, start, block_pad, steps, block_mask):
-        """The call's static inputs, padded up to the buckets (a few copies, no host read)."""
+    def _fill(self, block: _Block, tokens, start, block_pad, steps, block_mask):
+        """The call's static inputs: its real corner and counts (a few copies, no host read)."""
         bsz, length = tokens.size()
-        rows, width = slot.rows, block.width
-        pad = self.padding_idx
+        block.tokens[:bsz, :length] = tokens
+        block.block_pad[:bsz, :length] = block_pad
         if steps is None:
-            steps = start.unsqueeze(1) + block.query_index[:length]
-        # fairseq numbers positions from padding_idx + 1; padded slots borrow a valid position
-        # (their outputs are never read, their keys never seen); real positions never pass the
-        # table's end (the engine stops at the model's limit), padding is kept inside it
-        positions = (steps + pad + 1).masked_fill(block_pad, pad + 1)
-        table = self._position_table()
-        if table is not None:
-            positions = positions.clamp(max=table.size(0) - 1)
-        grow = (0, width - length, 0, rows - bsz)
-        block.tokens.copy_(F.pad(tokens.masked_fill(block_pad, pad), grow, value=pad))
-        block.positions.copy_(F.pad(positions, grow, value=pad + 1))
-        block.pad.copy_(F.pad(block_pad, grow, value=True))
+            block.start[:bsz] = start
+        else:
+            block.steps[:bsz, :length] = steps
+        if block.filled != (bsz, length):
+            block.counts[0].fill_(bsz)
+            block.counts[1].fill_(length)
+            block.filled = (bsz, length)
+        # outside the real corner ``inside`` is never read as real: columns past the block are
+        # padding keys, rows past it padding queries
         if block_mask is not None:
-            block.inside.copy_(block.causal)
             block.inside[:length, :length] = block_mask > float("-inf")
             block.own_mask = True
         elif block.own_mask:
             block.inside.copy_(block.causal)
             block.own_mask = False
 
+    def _inputs(self, block: _Block, explicit_steps: bool):
+        """Inside the call: the grid's tokens, positions and padding (ragged blocks, bucket rows
+        and columns)."""
+        pad = self.padding_idx
+        real = ((block.row_index < block.counts[0]).unsqueeze(1)
+                & (block.query_index < block.counts[1]).unsqueeze(0))
+        grid_pad = block.block_pad | ~real
+        tokens = block.tokens.masked_fill(grid_pad, pad)
+        steps = block.steps if explicit_steps else block.start.unsqueeze(1) + block.query_index
+        # fairseq numbers positions from padding_idx + 1; padded slots borrow a valid position
+        # (their outputs are never read, their keys never seen); real positions never pass the
+        # table's end (the engine stops at the model's limit), padding is kept inside it
+        positions = (steps + pad + 1).masked_fill(grid_pad, pad + 1)
+        table = self._position_table()
+        if table is not None:
+            positions = positions.clamp(max=table.size(0) - 1)
+        return tokens, positions, grid_pad
+
     def _pack_index(self, layout: BlockLayout, bsz: int, length: int, rows: int) -> Tensor:
         """Grid rows (time-major, ``rows`` per block position) of the layout's packed rows."""
         device = layout.block_pad.device
-        if layout.index is None:
-            cols = torch.arange(length, device=device).unsqueeze(1) * rows
-            return (cols + torch.arange(bsz, device=device)).reshape(-1)
+        if layout.index is None:  # depends on the shapes only: kept
+            key = (bsz, length, rows, device)
+            index = self._dense_index.get(key)
+            if index is None:
+                cols = torch.arange(length, device=device).unsqueeze(1) * rows
+                index = self._dense_index[key] = (cols + torch.arange(bsz, device=device)).reshape(-1)
+            return index
         return torch.div(layout.index, bsz, rounding_mode="floor") * rows + layout.index % bsz
 
     def _embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
@@ -438,7 +468,7 @@ class StaticBlockDecoder(LeanBlockDecoder):
             x = dec.layernorm_embedding(x)
         return x
 
-    def _self_mask(self, slot: _Slot, block: _Block) -> Tensor:
+    def _self_mask(self, slot: _Slot, block: _Block, pad: Tensor) -> Tensor:
         """(rows, 1, width, capacity) True where a block position may attend: its row's cache
         entries, and the block positions ``inside`` allows that are not padding. A padded query
         sees at least itself (its output is never read; a row with nothing to attend to would
@@ -449,21 +479,23 @@ class StaticBlockDecoder(LeanBlockDecoder):
         rows = slot.rows
         inside = block.inside.unsqueeze(0).expand(rows, width, width).gather(
             2, at.expand(rows, width, slot.capacity))
-        key_pad = block.pad.gather(1, at.squeeze(1)).unsqueeze(1)
+        key_pad = pad.gather(1, at.squeeze(1)).unsqueeze(1)
         in_block = (relative >= 0) & (relative < width)
         allowed = (relative < 0) | (in_block & inside & ~key_pad)
-        own = (relative == block.query_index.view(1, width, 1)) & block.pad.unsqueeze(2)
+        own = (relative == block.query_index.view(1, width, 1)) & pad.unsqueeze(2)
         return (allowed | own).unsqueeze(1)
 
-    def _call(self, slot: _Slot, block: _Block, scores: bool, rules) -> Tuple[Tensor, ...]:
+    def _call(self, slot: _Slot, block: _Block, explicit_steps: bool, scores: bool,
+              rules) -> Tuple[Tensor, ...]:
         """The step on the slot's static buffers: the grid's features (width * rows, d),
         time-major; with ``scores`` its log-probabilities, and with ``rules`` the best two
         log-probabilities and the best token after fairseq's token rules. Writes the block's
         keys and values at each row's length; reads nothing back to the host."""
         dec = self.decoder
         rows, width = slot.rows, block.width
-        x = self._embed(block.tokens.t(), block.positions.t()).reshape(width * rows, -1)
-        mask = self._self_mask(slot, block)
+        tokens, positions, pad = self._inputs(block, explicit_steps)
+        x = self._embed(tokens.t(), positions.t()).reshape(width * rows, -1)
+        mask = self._self_mask(slot, block, pad)
         write = slot.lengths.view(rows, 1, 1, 1) + block.query_index.view(1, 1, width, 1)
         for i, layer in enumerate(slot.layers):
             heads, head_dim = layer.heads, layer.head_dim
