@@ -147,6 +147,20 @@ def on_interrupt(report, first=False):
     _interrupt_reports.insert(0, report) if first else _interrupt_reports.append(report)
 
 
+def on_error(report):
+    """Call ``report()`` when a known user error ends the command line; it returns a part of
+    the error's one line (what the run left behind, where), or None."""
+    _error_reports.append(report)
+
+
+_error_reports = []
+
+
+def with_reports(line):
+    parts = [part for part in (report() for report in _error_reports) if part]
+    return line + ("; " + "; ".join(parts) if parts else "")
+
+
 def interrupted_line(cause="Ctrl-C"):
     parts = [part for part in (report() for report in _interrupt_reports) if part]
     return PREFIX + "interrupted (%s)" % cause + (": " + "; ".join(parts) if parts else "")
@@ -223,7 +237,7 @@ def install_cli_boundary():
         line = one_line(error) if here else None
         if line is None:
             return previous(kind, error, traceback)
-        sys.stderr.write(line + "\n")
+        sys.stderr.write(with_reports(line) + "\n")
         quiet_finalizers()
 
     hook._pardec = True

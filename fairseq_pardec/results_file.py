@@ -111,6 +111,7 @@ class ResultsFile:
         self.staged = None
         self.settled = False
         errors.on_interrupt(self.interrupted)
+        errors.on_error(self.after_error)
         atexit.register(self.at_exit)
 
     def open(self, file, mode="r", *args, **kwargs):
@@ -159,13 +160,21 @@ class ResultsFile:
             return "%d hypotheses written to %s%s" % (written, self.partial, self._kept())
         return "no hypothesis written" + self._kept()
 
-    def at_exit(self):
+    def after_error(self):
+        """Part of a user error's one line: where this run's hypotheses went."""
         if self.settled:
-            return
+            return None
         written = self.keep_partial()
         if written:
-            sys.stderr.write("%sthe %d hypotheses written before the error are in %s%s\n"
-                             % (errors.PREFIX, written, self.partial, self._kept()))
+            return "the %d hypotheses written before the error are in %s%s" % (
+                written, self.partial, self._kept())
+        return None
+
+    def at_exit(self):
+        """After an error that was not one line of ours (a traceback): a line of its own."""
+        part = self.after_error()
+        if part:
+            sys.stderr.write(errors.PREFIX + part + "\n")
 
 
 def _generate_modules():

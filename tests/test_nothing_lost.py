@@ -32,6 +32,7 @@ def no_exit_handlers(monkeypatch):
     """What the code under test registers for the end of the process stays in the test."""
     registered = []
     monkeypatch.setattr(errors, "_interrupt_reports", [])
+    monkeypatch.setattr(errors, "_error_reports", [])
     monkeypatch.setattr("atexit.register", lambda f, *a, **k: registered.append(f) or f)
     return registered
 
@@ -113,6 +114,26 @@ def test_results_file_on_a_full_disk(tmp_path, no_exit_handlers):
     assert line.startswith("fairseq_pardec: error: --results-path: cannot write %s (No space "
                            "left on device); nothing was replaced" % path), line
     assert "\n" not in line
+    assert path.read_text(encoding="utf-8") == EARLIER
+    # the hook's line also says where the hypotheses went (none reached the disk here)
+    assert errors.with_reports(line) == line
+    assert not os.path.exists(staged.temporary)
+
+
+def test_error_line_says_where_the_hypotheses_went(tmp_path, no_exit_handlers, capsys):
+    path = tmp_path / "generate-test.txt"
+    path.write_text(EARLIER, encoding="utf-8")
+    staged = results_file.ResultsFile(str(path))
+    with pytest.raises(UsageError) as failed:
+        with staged.open(str(path), "w", buffering=1, encoding="utf-8") as h:
+            print("H-0\t-0.2\tthis run", file=h)
+            raise UsageError("sentence #1 has 5001 source tokens")  # a user error half-way
+    line = errors.with_reports(one_line(failed.value))
+    partial = tmp_path / "generate-test.partial.txt"
+    assert line == ("fairseq_pardec: error: sentence #1 has 5001 source tokens; the 1 hypotheses "
+                    "written before the error are in %s; the earlier %s is kept" % (partial, path))
+    staged.at_exit()  # settled: no second line
+    assert capsys.readouterr().err == ""
     assert path.read_text(encoding="utf-8") == EARLIER
 
 
