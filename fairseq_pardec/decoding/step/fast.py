@@ -33,6 +33,7 @@ It covers what :func:`~fairseq_pardec.decoding.step.lean.lean_supported` covers,
 on the CPU; elsewhere the engine uses the lean step.
 """
 
+import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -46,7 +47,7 @@ from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 from fairseq_pardec.decoding.step.output_projection import plain_output_projection
 from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
                                                   query_key_value)
-from fairseq_pardec.decoding.step.weights_key import WeightsKey
+from fairseq_pardec.decoding.step.weights_key import PREPARE_LOCK, WeightsKey
 from fairseq_pardec.models.decoder_inputs import (encoder_states, final_features, plain_input,
                                                    position_embeddings)
 
@@ -113,10 +114,15 @@ class FastCache:
         self.enc_values: List[Tensor] = []
         self.enc_attend: Optional[Tensor] = None
         self.batch = 0
-        # the decoder input's tables for the native step (NativeLayerStack.input_tables), and
-        # the output projection (FastBlockDecoder.logits), looked up when the batch starts
+        # the weights the batch decodes with (_Weights), taken when it starts: a batch never
+        # mixes two versions of the weights, and another thread rebuilding them for its own
+        # batch changes nothing in this one
+        self.weights: Optional["_Weights"] = None
+        # the decoder input's tables for the native step (NativeLayerStack.input_tables), looked
+        # up when the batch starts, and the native call's table of this cache's buffers
+        # (layer_stack.py)
         self.input_tables = None
-        self.vocab = None
+        self.native_state = None
 
     @property
     def capacity(self) -> int:
@@ -150,6 +156,19 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tenso
     return torch.matmul(weights.softmax(dim=-1), v)
 
 
+class _Weights:
+    """The weights in the fast layouts, built together and never changed afterwards: the
+    layers, their native call (or None), the output projection (or None: the decoder's own
+    output layer runs) and the module it was built from. ``key`` is the :class:`WeightsKey`
+    they were built at; ``held`` keeps that key exact while they live (WeightsKey.hold)."""
+
+    def __init__(self, key, held, layers: List[_Layer], stack: Optional[NativeLayerStack],
+                 projection, vocab: Optional[Linear]):
+        self.key, self.held = key, held
+        self.layers, self.stack = layers, stack
+        self.projection, self.vocab = projection, vocab
+
+
 class FastBlockDecoder(LeanBlockDecoder):
     """The draft-and-verify engine's decoder step (same interface as :class:`LeanBlockDecoder`).
 
@@ -157,47 +176,88 @@ class FastBlockDecoder(LeanBlockDecoder):
     """
 
     fast = True
+    # fused, reordered products at every position (step/margins.py)
+    margin = DEFAULT_MARGIN
+    one_position_exact = False
 
     def __init__(self, decoder):
         super().__init__(decoder)
-        self._weights_key = None
-        self._weights_fingerprint: Optional[WeightsKey] = None
-        self._layers: List[_Layer] = []
+        # the layers' weights and the output projection's, one key for both (the projection's
+        # module looked up per batch: an output layer replaced after this step was built is
+        # honoured)
+        self._layers_key = WeightsKey(self.decoder.layers)
+        self._projection_keys = {}  # id(projection module) -> (module, its WeightsKey)
+        self._weights: Optional[_Weights] = None
         # which kernel multiplies how many rows: measured on this decoder (step/products.py),
         # for the layers' products and for the output projection apart (another shape)
         self.kernels = KernelChoice()
         self.projection_kernels = KernelChoice()
-        self._vocab: Optional[Linear] = None
-        self._vocab_key = None
-        self._projected_by: Optional[Linear] = None  # the projection of the latest logits
-        self._batch_vocab: Optional[Linear] = None  # the current batch's (forward_packed)
+        # what one thread's batch read last: the output projection its batch decodes with
+        # (set by forward_packed, read by logits) and the one its latest logits came from
+        # (read by scores_kernel); per thread, so that threads sharing this step each read
+        # their own batch's
+        self._thread = threading.local()
         # the layers as one native call, where native_layers.c computes them (layer_stack.py)
-        self._stack: Optional[NativeLayerStack] = None
         self.native_stack = True
 
     def new_state(self) -> FastCache:
         return FastCache()
 
-    def _prepared(self) -> List[_Layer]:
-        """The layers' weights in the fast layout, rebuilt when a parameter changed."""
-        if self._weights_fingerprint is None:
-            self._weights_fingerprint = WeightsKey(self.decoder.layers)
-        key = self._weights_fingerprint.key()
-        changed = key != self._weights_key
-        if changed:
-            with torch.no_grad():
-                self._layers = [_Layer(layer) for layer in self.layers]
-                self._stack = None
-                if NativeLayerStack.supports(self._layers):
-                    self._stack = NativeLayerStack(self._layers[0].qkv.native, self._layers)
-            self._weights_key = key
-        vocab = self._vocabulary()
-        if changed or self.kernels.stale() or self.projection_kernels.stale():
-            self._measure_kernels(vocab)
-        return self._layers
+    def _own_projection(self):
+        """The decoder's output projection as an ``nn.Linear`` when the fast step computes the
+        output layer itself (a plain projection, float32 on the CPU), else None."""
+        proj = plain_output_projection(self.decoder)
+        if proj is None or proj.weight.device.type != "cpu" or proj.weight.dtype != torch.float32:
+            return None
+        return proj
 
-    def _measure_kernels(self, vocab: Optional[Linear]):
-        chain = [layer.products() for layer in self._layers]
+    def _projection_key(self, projection) -> Optional[WeightsKey]:
+        if projection is None:
+            return None
+        known = self._projection_keys.get(id(projection))
+        if known is None or known[0] is not projection:
+            known = (projection, WeightsKey(projection))
+            self._projection_keys = {id(projection): known}
+        return known[1]
+
+    def _key(self, projection_key: Optional[WeightsKey]):
+        """The key of the layers' weights and the output projection's."""
+        return (self._layers_key.key(),
+                None if projection_key is None else projection_key.key())
+
+    def _prepared(self) -> _Weights:
+        """The weights in the fast layouts, rebuilt when any may have changed (weights_key.py
+        says what that covers); called once per batch."""
+        projection = self._own_projection()
+        projection_key = self._projection_key(projection)
+        key = self._key(projection_key)
+        weights = self._weights
+        if (weights is not None and weights.key == key and weights.projection is projection
+                and not self.kernels.stale() and not self.projection_kernels.stale()):
+            return weights
+        with PREPARE_LOCK:
+            key = self._key(projection_key)  # again: another thread may have rebuilt meanwhile
+            weights = self._weights
+            if weights is None or weights.key != key or weights.projection is not projection:
+                held = self._layers_key.hold()
+                if projection_key is not None:
+                    held += projection_key.hold()
+                with torch.no_grad():
+                    layers = [_Layer(layer) for layer in self.layers]
+                    stack = None
+                    if NativeLayerStack.supports(layers):
+                        stack = NativeLayerStack(layers[0].qkv.native, layers)
+                    vocab = None if projection is None else Linear(projection.weight, None)
+                weights = _Weights(key, held, layers, stack, projection, vocab)
+            # measured on the first batch and again at another thread count, not when only
+            # the weights' values changed (the kernels' speed depends on the shapes)
+            if self.kernels.stale() or self.projection_kernels.stale():
+                self._measure_kernels(weights.layers, weights.vocab)
+            self._weights = weights
+        return weights
+
+    def _measure_kernels(self, layers: List[_Layer], vocab: Optional[Linear]):
+        chain = [layer.products() for layer in layers]
         rows_of = {}
 
         def rows(count: int, width: int) -> Tensor:
@@ -224,38 +284,25 @@ class FastBlockDecoder(LeanBlockDecoder):
         self.kernels.pin(kernel)
         self.projection_kernels.pin(kernel)
 
-    def _vocabulary(self) -> Optional[Linear]:
-        """The output projection as a :class:`Linear` (float32 CPU, plain projection), rebuilt
-        when the weight changed; None where the decoder's own output layer must run."""
-        proj = plain_output_projection(self.decoder)
-        if proj is None:
-            return None
-        weight = proj.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            return None
-        key = (id(proj), weight.data_ptr(), weight._version)
-        if key != self._vocab_key:
-            with torch.no_grad():
-                self._vocab = Linear(weight, None)
-            self._vocab_key = key
-        return self._vocab
-
     def logits(self, features: Tensor) -> Tensor:
         """The output layer, on the kernel measured fastest for the projection at this many
         rows (an output layer replaced after this step was built is honoured)."""
-        # the projection checked when the batch started (weights do not change within one)
-        vocab = self._batch_vocab if self._batch_vocab is not None else self._vocabulary()
+        thread = self._thread
+        # the projection this thread's batch started with (weights do not change within one)
+        vocab = getattr(thread, "vocab", None)
+        if vocab is None:
+            vocab = self._prepared().vocab
         if vocab is None or features.dim() != 2 or features.dtype != torch.float32:
-            self._projected_by = None
+            thread.projected_by = None
             return super().logits(features)
-        self._projected_by = vocab
+        thread.projected_by = vocab
         return vocab(features, self.projection_kernels.kernel_for(features.size(0)))
 
     def scores_kernel(self):
-        """The native kernel for the best two scores per position (native_scores.c) of the
-        latest :meth:`logits`, or None (that projection was not this step's own, there is no
-        native kernel, or the products are pinned to a library kernel)."""
-        vocab = self._projected_by
+        """The native kernel for the best two scores per position (native_scores.c) of this
+        thread's latest :meth:`logits`, or None (that projection was not this step's own, there
+        is no native kernel, or the products are pinned to a library kernel)."""
+        vocab = getattr(self._thread, "projected_by", None)
         if vocab is None or self.projection_kernels.pinned_to_library():
             return None
         return vocab.native
@@ -276,13 +323,14 @@ class FastBlockDecoder(LeanBlockDecoder):
         return x
 
     def _start(self, cache: FastCache, encoder_out, bsz: int, device, dtype):
+        cache.weights = self._prepared()
         enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)
         cache.enc_attend = None
         if enc_pad is not None and bool(enc_pad.any()):
             cache.enc_attend = (~enc_pad.bool()).view(bsz, 1, 1, -1)
         source = enc.size(0)
         enc = enc.reshape(source * bsz, -1)
-        for layer in self._prepared():
+        for layer in cache.weights.layers:
             heads, head_dim = layer.cross_heads, layer.cross_head_dim
             kv = layer.cross_kv(enc, self.kernels.kernel_for(enc.size(0)))
             kv = kv.view(source, bsz, 2, heads, head_dim).permute(2, 1, 3, 0, 4)
@@ -353,13 +401,13 @@ class FastBlockDecoder(LeanBlockDecoder):
         bsz, length = tokens.size()
         if not cache.keys:
             self._start(cache, encoder_out, bsz, tokens.device, dec.embed_tokens.weight.dtype)
-            cache.vocab = self._vocabulary()
-        self._batch_vocab = cache.vocab
-        # the weights cannot change within one batch: checked once, when the batch starts
-        layers = self._layers
+        # the weights are checked once per batch, when it starts
+        weights = cache.weights
+        self._thread.vocab = weights.vocab
+        layers = weights.layers
         first = cache.length
         total = first + length
-        stack = (self._stack if self._stack is not None and self.native_stack
+        stack = (weights.stack if weights.stack is not None and self.native_stack
                  and block_mask is None else None)
         if stack is not None and steps is None and self.kernels.kernel_for(layout.size) == NATIVE:
             # the whole call natively: the block's input, then the layers

@@ -29,7 +29,7 @@ from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
 from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
                                                   query_key_value)
-from fairseq_pardec.decoding.step.weights_key import WeightsKey
+from fairseq_pardec.decoding.step.weights_key import PREPARE_LOCK, WeightsKey
 
 
 def _plain_self_attention(attn) -> bool:
@@ -72,6 +72,14 @@ class _EncoderLayer:
         self.norm_attn = layer.self_attn_layer_norm
 
 
+class _EncoderWeights:
+    """The encoder layers' weights in the fast layout and their native call (or None), built
+    together at ``key`` and never changed afterwards (``held``: weights_key.WeightsKey.hold)."""
+
+    def __init__(self, key, held, layers: List[_EncoderLayer], stack: Optional[NativeLayerStack]):
+        self.key, self.held, self.layers, self.stack = key, held, layers, stack
+
+
 class FastEncoder:
     """``encoder_out = FastEncoder(encoder, kernels)(net_input)``, fairseq's dictionary.
 
@@ -82,27 +90,35 @@ class FastEncoder:
     def __init__(self, encoder, kernels: Optional[KernelChoice] = None):
         self.encoder = encoder
         self.kernels = kernels if kernels is not None else KernelChoice()
-        self._key = None
         self._fingerprint = WeightsKey(encoder.layers)
-        self._layers: List[_EncoderLayer] = []
-        # the layers as one native call where its products run natively (layer_stack.py)
-        self._stack: Optional[NativeLayerStack] = None
+        # the layers in the fast layout (and as one native call where its products run
+        # natively: layer_stack.py), swapped whole when rebuilt: a batch reads one version
+        self._weights: Optional[_EncoderWeights] = None
         self.native_stack = True
 
-    def _prepared(self) -> List[_EncoderLayer]:
+    def _prepared(self) -> _EncoderWeights:
+        """The layers' weights in the fast layout, rebuilt when any may have changed
+        (weights_key.py says what that covers); called once per batch."""
         key = self._fingerprint.key()
-        if key != self._key:
-            with torch.no_grad():
-                self._layers = [_EncoderLayer(layer) for layer in self.encoder.layers]
-                self._stack = None
-                if NativeLayerStack.supports(self._layers, encoder=True):
-                    self._stack = NativeLayerStack(self._layers[0].qkv.native, self._layers,
-                                                   encoder=True)
-            self._key = key
-            if self.kernels.stale():
-                self.kernels.measure([[lin for lin in (layer.qkv, layer.out, layer.ffn.fc1, layer.ffn.fc2)]
-                                      for layer in self._layers])
-        return self._layers
+        weights = self._weights
+        if weights is not None and weights.key == key:
+            return weights
+        with PREPARE_LOCK:
+            key = self._fingerprint.key()  # again: another thread may have rebuilt meanwhile
+            weights = self._weights
+            if weights is None or weights.key != key:
+                held = self._fingerprint.hold()
+                with torch.no_grad():
+                    layers = [_EncoderLayer(layer) for layer in self.encoder.layers]
+                    stack = None
+                    if NativeLayerStack.supports(layers, encoder=True):
+                        stack = NativeLayerStack(layers[0].qkv.native, layers, encoder=True)
+                weights = _EncoderWeights(key, held, layers, stack)
+                if self.kernels.stale():
+                    self.kernels.measure([[layer.qkv, layer.out, layer.ffn.fc1, layer.ffn.fc2]
+                                          for layer in layers])
+                self._weights = weights
+        return weights
 
     def __call__(self, net_input) -> Dict[str, List[Tensor]]:
         with torch.no_grad():
@@ -110,7 +126,7 @@ class FastEncoder:
 
     def _encode(self, src_tokens: Tensor) -> Dict[str, List[Tensor]]:
         enc = self.encoder
-        layers = self._prepared()
+        weights = self._prepared()
         padding = src_tokens.eq(enc.padding_idx)
         has_pads = bool(padding.any())
         x, embedding = enc.forward_embedding(src_tokens)
@@ -119,12 +135,12 @@ class FastEncoder:
         bsz, length, dim = x.shape
         x = x.reshape(bsz * length, dim)
         kernel = self.kernels.kernel_for(x.size(0))
-        if self._stack is not None and self.native_stack and kernel == NATIVE:
-            x = self._stack.encode(x, padding if has_pads else None, bsz, length)
+        if weights.stack is not None and self.native_stack and kernel == NATIVE:
+            x = weights.stack.encode(x, padding if has_pads else None, bsz, length)
         else:
             # attention reads every real key; None lets the kernel skip the mask
             attend = (~padding).view(bsz, 1, 1, length) if has_pads else None
-            x = self._torch_layers(x, layers, kernel, attend, bsz, length)
+            x = self._torch_layers(x, weights.layers, kernel, attend, bsz, length)
         if enc.layer_norm is not None:
             x = enc.layer_norm(x)
         states = x.view(bsz, length, dim).transpose(0, 1).contiguous()  # (S, B, C), as fairseq

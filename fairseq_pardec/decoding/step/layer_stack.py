@@ -73,8 +73,9 @@ def _position_table(decoder, needed: int):
 
 class NativeLayerStack:
     """A layer stack (fast.py's ``_Layer`` or fast_encoder.py's ``_EncoderLayer``) for
-    native_layers.c: the table of weight pointers is built once; the one of cache pointers again
-    when the cache's buffers move."""
+    native_layers.c: the table of weight pointers is built once, and the object never changes
+    afterwards (threads share it); the table of a batch's cache pointers belongs to that
+    batch's cache, rebuilt when its buffers move."""
 
     def __init__(self, kernel, layers: List, encoder: bool = False):
         self.kernel = kernel
@@ -93,8 +94,6 @@ class NativeLayerStack:
         self._layers = layers
         self._weights = (ctypes.c_int64 * len(table))(*table)
         self._eps = (ctypes.c_double * len(eps))(*eps)
-        self._state_key = None
-        self._state = None
 
     @staticmethod
     def supports(layers: List, encoder: bool = False) -> bool:
@@ -115,17 +114,21 @@ class NativeLayerStack:
                 return False
         return True
 
-    def _state_table(self, buffers: List[List[Tensor]]):
-        """The per-layer pointers: self keys, self values, encoder keys, encoder values."""
+    @staticmethod
+    def _state_table(cache):
+        """The per-layer pointers of ``cache``'s buffers (self keys, self values, encoder keys,
+        encoder values), kept on the cache as ``native_state`` with the addresses they were
+        built from: the cache belongs to one batch, so no other batch can swap its table in."""
+        buffers = (cache.keys, cache.values, cache.enc_keys, cache.enc_values)
         key = tuple(t.data_ptr() for group in buffers for t in group)
-        if key != self._state_key:
+        known = cache.native_state
+        if known is None or known[0] != key:
             if not all(t.is_contiguous() and t.dtype == torch.float32
                        for group in buffers for t in group):
                 raise ValueError("the fast step's cache buffers must be contiguous float32")
             table = [t.data_ptr() for layer in zip(*buffers) for t in layer]
-            self._state = (ctypes.c_int64 * len(table))(*table)
-            self._state_key = key
-        return self._state
+            known = cache.native_state = (key, (ctypes.c_int64 * len(table))(*table))
+        return known[1]
 
     def _run(self, x: Tensor, state, index, masked, enc_attend, batch, length, first, capacity,
              source) -> Tensor:
@@ -183,7 +186,7 @@ class NativeLayerStack:
         """The decoder layers' output for the packed rows ``x`` (N, C), a new tensor; the rows'
         keys and values are written to the cache at ``[first, first + length)``. ``index``: the
         packed rows' places in the (length, batch) time-major grid (None: dense)."""
-        state = self._state_table([cache.keys, cache.values, cache.enc_keys, cache.enc_values])
+        state = self._state_table(cache)
         return self._run(x, state, None if index is None else index.contiguous(), cache.masked,
                          cache.enc_attend, batch, length, first, cache.keys[0].size(2),
                          cache.enc_keys[0].size(2))

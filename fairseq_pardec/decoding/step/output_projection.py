@@ -18,6 +18,7 @@ from torch import Tensor
 
 from fairseq.models.transformer import TransformerDecoderBase
 
+from fairseq_pardec.decoding.step.weights_key import WeightsKey
 from fairseq_pardec.errors import UsageError
 
 
@@ -70,28 +71,32 @@ class OutputProjection:
 
     def __init__(self, projection: torch.nn.Linear):
         self.projection = projection
-        self._key = None
-        self._copy = None
-        self._packed = False
+        self._fingerprint = WeightsKey(projection)
+        # (key, held, copy, packed): replaced whole when rebuilt, so that threads sharing this
+        # projection never read one version's copy with another's layout
+        self._state = None
 
     def _weight(self, weight: Tensor) -> Tensor:
         """The rows this projection scores (all of them here)."""
         return weight
 
     def _prepared(self):
-        """(the weight copy, whether it is oneDNN-packed), rebuilt when the weight changed."""
-        weight = self.projection.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        if self._key != key:
-            rows = self._weight(weight.detach())
-            self._packed = (rows.device.type == "cpu" and rows.dtype == torch.float32
-                            and packs_on_onednn())
-            if self._packed:
-                self._copy = torch.ops.mkldnn._reorder_linear_weight(rows.contiguous(), None)
-            else:
-                self._copy = rows.t().contiguous()
-            self._key = key
-        return self._copy, self._packed
+        """(the weight copy, whether it is oneDNN-packed), rebuilt when the weight may have
+        changed (weights_key.py)."""
+        key = self._fingerprint.key()
+        state = self._state
+        if state is None or state[0] != key:
+            held = self._fingerprint.hold()
+            with torch.no_grad():
+                rows = self._weight(self.projection.weight.detach())
+                packed = (rows.device.type == "cpu" and rows.dtype == torch.float32
+                          and packs_on_onednn())
+                if packed:
+                    copy = torch.ops.mkldnn._reorder_linear_weight(rows.contiguous(), None)
+                else:
+                    copy = rows.t().contiguous()
+            state = self._state = (key, held, copy, packed)
+        return state[2], state[3]
 
     def _product(self, features: Tensor) -> Tensor:
         """features (R, d) times the prepared weight: (R, rows of the weight)."""
