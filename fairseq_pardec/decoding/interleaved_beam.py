@@ -40,6 +40,7 @@ class InterleavedBeamSearch(StatsGenerator):
                 "%s is not one: use --generator beam or greedy" % type(model).__name__
             )
         self.model = model
+        model.eval()  # as fairseq's SequenceGenerator: no dropout while decoding
         self.h, self.c, self.z = model.decoder.h, model.decoder.c, model.decoder.z
         self.tgt_dict = tgt_dict
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()

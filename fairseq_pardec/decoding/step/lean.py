@@ -112,6 +112,14 @@ class LeanBlockDecoder(BlockDecoder):
     def new_state(self) -> LeanCache:
         return LeanCache()
 
+    @property
+    def one_position_exact(self) -> bool:
+        """On the CPU the vocabulary projection runs through its own kernel (output_projection.py),
+        which rounds otherwise than fairseq's ``F.linear``; elsewhere the layers and the output
+        layer are fairseq's operations."""
+        return (plain_output_projection(self.decoder) is None
+                or self.decoder.embed_tokens.weight.device.type != "cpu")
+
     def logits(self, features: Tensor) -> Tensor:
         """The output layer; a block's rows on the CPU go through a transposed copy of the
         output embedding (output_projection.py). Checked per call: an output layer replaced
@@ -119,9 +127,10 @@ class LeanBlockDecoder(BlockDecoder):
         proj = plain_output_projection(self.decoder)
         if proj is None:
             return super().logits(features)
-        if self._projection is None or self._projection.projection is not proj:
-            self._projection = OutputProjection(proj)
-        return self._projection(features)
+        projection = self._projection  # read once: another thread may replace it
+        if projection is None or projection.projection is not proj:
+            projection = self._projection = OutputProjection(proj)
+        return projection(features)
 
     # ------------------------------------------------------------------ forward
     def _project_encoder(self, cache: LeanCache, encoder_out, bsz: int):
