@@ -70,12 +70,13 @@ def test_static_log_probs_within_the_guards_bound(overrides, ragged):
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_static_features_equal_fairseqs_full_forward(batch_size):
     """A target fed in blocks of random lengths (1-9 positions, ragged sources) gives the
-    features of fairseq's decoder over the whole target at once, within float32 rounding."""
+    features of fairseq's decoder over the whole target at once, within float32 rounding; the
+    cache outgrows its first capacity (64 entries) on the way."""
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=50 + batch_size)
     sample = random_batch(d, lengths(batch_size), seed=batch_size)
     g = torch.Generator().manual_seed(batch_size)
-    target = torch.randint(d.nspecial, len(d), (batch_size, 30), generator=g)
+    target = torch.randint(d.nspecial, len(d), (batch_size, 70), generator=g)
     target[:, 0] = d.eos()
     step = StaticBlockDecoder(model.decoder)
     with torch.no_grad():
@@ -89,6 +90,7 @@ def test_static_features_equal_fairseqs_full_forward(batch_size):
                                           torch.full((batch_size,), done), block_pad,
                                           encoder_out, cache))
             done += width
+    assert cache.slot.capacity == 128
     assert torch.allclose(torch.cat(got, dim=1), want, rtol=0, atol=2e-5)
 
 
@@ -197,6 +199,22 @@ def test_rows_leaving_move_to_a_smaller_bucket():
             module.rollback(states[1], 3, torch.full((rows,), 3))
             start = start + 3
             assert states[0].slot.rows == batch_bucket(rows)
+
+
+def test_reserved_capacity():
+    """A caller that knows the length limit reserves it before the first block: the batch's
+    buffers are allocated once, at that size (rounded up to a power of two)."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=39)
+    sample = random_batch(d, [6, 3], seed=15)
+    enc = model.encoder.forward_torchscript(sample["net_input"])
+    step = StaticBlockDecoder(model.decoder)
+    state = step.new_state()
+    step.reserve(state, 150)
+    with torch.no_grad():
+        step.forward_block(torch.full((2, 1), d.eos()), torch.zeros(2, dtype=torch.long),
+                           torch.zeros(2, 1, dtype=torch.bool), enc, state)
+    assert state.slot.capacity == 256 and state.slot.source == 16 and state.slot.rows == 2
 
 
 def test_scores_and_token_rules_in_the_call():

@@ -48,7 +48,7 @@ from torch import Tensor
 from fairseq.modules import LearnedPositionalEmbedding
 
 from fairseq_pardec.decoding.fairseq_rules import token_rules as apply_token_rules
-from fairseq_pardec.decoding.step.block_decoder import keep_bounds
+from fairseq_pardec.decoding.step.block_decoder import UnsupportedDecoder, keep_bounds
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.cuda_graphs import GraphSet
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
@@ -217,6 +217,7 @@ class StaticCache:
         self.block_first = 0
         self.block_len = 0
         self.block_pad: Optional[Tensor] = None
+        self.reserved = 0  # entries per row asked for before the batch started (reserve)
 
 
 class _Scores:
@@ -243,8 +244,10 @@ class StaticBlockDecoder(LeanBlockDecoder):
     def __init__(self, decoder, graphs: bool = True):
         super().__init__(decoder)
         if not static_supported(decoder):
-            raise ValueError("the static step does not compute this decoder's function; "
-                             "check static_supported first")
+            raise UnsupportedDecoder(
+                "the static decoder step does not reproduce %s's layers (NormFormer, bias_kv, "
+                "quantisation noise, ...); decode with the lean step (--cpu, or build the "
+                "generator's step with static=False)" % type(decoder).__name__)
         self.graphs = graphs
         self._layers: List[_Layer] = []
         self._held: list = []
@@ -276,18 +279,19 @@ class StaticBlockDecoder(LeanBlockDecoder):
     def _prepared(self):
         """The fused weights, rebuilt (and every recorded graph dropped) when a parameter or the
         position table changed."""
-        if self._weights_fingerprint is None:
-            self._weights_fingerprint = WeightsKey(self.decoder)
-        table = self._position_table()
-        key = (self._weights_fingerprint.key(),
-               None if table is None else (table.data_ptr(), table.device, table.dtype))
-        if key != self._weights_key:
-            with torch.no_grad():
-                self._layers = [_Layer(layer) for layer in self.layers]
-            # the parameters' storage, kept alive with the graphs that read its addresses
-            self._held = self._weights_fingerprint.hold() + [table]
-            self._slots.clear()
-            self._weights_key = key
+        with self._lock:
+            if self._weights_fingerprint is None:
+                self._weights_fingerprint = WeightsKey(self.decoder)
+            table = self._position_table()
+            key = (self._weights_fingerprint.key(),
+                   None if table is None else (table.data_ptr(), table.device, table.dtype))
+            if key != self._weights_key:
+                with torch.no_grad():
+                    self._layers = [_Layer(layer) for layer in self.layers]
+                # the parameters' storage, kept alive with the graphs that read its addresses
+                self._held = self._weights_fingerprint.hold() + [table]
+                self._slots.clear()
+                self._weights_key = key
 
     def _position_table(self) -> Optional[Tensor]:
         module = self.decoder.embed_positions
@@ -327,7 +331,8 @@ class StaticBlockDecoder(LeanBlockDecoder):
         enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)
         weight = self.decoder.embed_tokens.weight
         source = enc.size(0)
-        slot = self._acquire(cache, batch_bucket(bsz), _power_of_two(width, MIN_CAPACITY),
+        slot = self._acquire(cache, batch_bucket(bsz),
+                             _power_of_two(max(width, cache.reserved), MIN_CAPACITY),
                              _power_of_two(source, MIN_SOURCE), weight.device, weight.dtype)
         cache.slot, cache.batch, cache.bound = slot, bsz, 0
         flat = enc.reshape(source * bsz, -1)
@@ -348,7 +353,10 @@ class StaticBlockDecoder(LeanBlockDecoder):
         """Make room for ``entries`` cache entries per row (a caller that knows the batch's
         length limit may reserve it once, before the first block: no buffer grows later)."""
         slot = cache.slot
-        if slot is None or entries <= slot.capacity:
+        if slot is None:
+            cache.reserved = max(cache.reserved, entries)
+            return
+        if entries <= slot.capacity:
             return
         bigger = self._acquire(cache, slot.rows, _power_of_two(entries, MIN_CAPACITY),
                                slot.source, slot.lengths.device, slot.keys[0].dtype)
@@ -549,19 +557,21 @@ class StaticBlockDecoder(LeanBlockDecoder):
     # ------------------------------------------------------------------ scores
     def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
         """The log-probabilities of ``features``: those computed inside the call that returned
-        them (with the token rules applied, where ``token_rules`` is set), else computed here."""
+        them, else computed here; with fairseq's token rules applied where ``token_rules`` is
+        set."""
         pending = getattr(self._local, "scores", None)
-        if pending is not None and pending.features is features and pending.lprobs is not None \
-                and pending.temperature == temperature:
-            lprobs = pending.lprobs.index_select(0, pending.index)
-            pending.lprobs = None  # read: the caller may edit it in place
-            return lprobs
         if pending is not None and pending.features is features:
+            computed = pending.lprobs
+            pending.lprobs = None  # read: the caller may edit it in place
+            if computed is not None and pending.temperature == temperature:
+                return computed.index_select(0, pending.index)
             # the next calls compute them (at this temperature) again
             self.scores_in_call = True
             self._local.temperature = temperature
-            pending.lprobs = None
-        return super().log_probs(features, temperature)
+        lprobs = super().log_probs(features, temperature)
+        if self.token_rules is not None:
+            apply_token_rules(lprobs, *self.token_rules)
+        return lprobs
 
     def best_two(self, features: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
         """((N, 2) best two log-probabilities, (N,) best token) after fairseq's token rules, for
@@ -576,7 +586,7 @@ class StaticBlockDecoder(LeanBlockDecoder):
     def applies_token_rules(self) -> bool:
         """Whether :meth:`log_probs` returns log-probabilities with fairseq's token rules
         already applied (the caller must not apply them again)."""
-        return self.token_rules is not None and self.scores_in_call
+        return self.token_rules is not None
 
     # ------------------------------------------------------------------ cache surgery
     def reads_encoder_out(self, cache: StaticCache) -> bool:
