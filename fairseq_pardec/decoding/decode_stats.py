@@ -2,7 +2,8 @@
 
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Dict
 
 import torch
 from fairseq_pardec.errors import UsageError
@@ -36,6 +37,10 @@ class DecodeStats:
     close_calls: int = 0
     # block positions the verifier computed: a greedy step verifies one per token
     positions_verified: int = 0
+    # --generator auto: row-iterations per drafter chosen ("none": no draft), and the draft
+    # tokens each drafter had accepted
+    drafter_iterations: Dict[str, int] = field(default_factory=dict)
+    drafter_accepted: Dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens_per_iteration(self) -> float:
@@ -52,6 +57,20 @@ class DecodeStats:
         self.wall_time = 0.0
         self.drafter_time = 0.0
         self.verifier_time = 0.0
+        self.drafter_iterations.clear()
+        self.drafter_accepted.clear()
+
+    def drafter_shares(self) -> str:
+        """``copy 41% (2.10 accepted), none 59%``: each drafter's share of the row-iterations
+        and its accepted draft tokens per iteration it drafted (``--generator auto``)."""
+        total = sum(self.drafter_iterations.values())
+        parts = []
+        for name, count in sorted(self.drafter_iterations.items(), key=lambda kv: -kv[1]):
+            part = "%s %.0f%%" % (name, 100.0 * count / max(total, 1))
+            if name in self.drafter_accepted:
+                part += " (%.2f accepted)" % (self.drafter_accepted[name] / max(count, 1))
+            parts.append(part)
+        return ", ".join(parts)
 
     def as_dict(self):
         out = asdict(self)
@@ -67,6 +86,7 @@ class DecodeStats:
             f"iteration {self.tokens_per_iteration:.2f} | decode wall time {self.wall_time:.2f}s "
             f"({self.sentences_per_second:.1f} sentences/s)"
             + (f" | close calls decided by fairseq {self.close_calls}" if self.close_calls else "")
+            + (f" | drafts {self.drafter_shares()}" if self.drafter_iterations else "")
         )
 
 

@@ -21,11 +21,13 @@ from fairseq_pardec.decoding.draft_verify.acceptance import (
     TopKAcceptance,
 )
 from fairseq_pardec.decoding.draft_verify.drafters import (
+    AutoDrafter,
     CachedNARDrafter,
     CopyDrafter,
     Drafter,
     HeadsDrafter,
     LookupDrafter,
+    MeasuredPrices,
     NARDrafter,
     NgramTable,
     NoDrafter,
@@ -60,10 +62,11 @@ class GeneratorSpec:
 
 def build_iad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     """Input-guided aggressive decoding: copy drafts, exact verification."""
-    # --block-size is the user's fixed cap; by default each row's cap follows its acceptance
+    # --block-size is the user's fixed cap; by default each row's cap follows its acceptance,
+    # and a row drafts only what pays at the prices measured as it decodes (pricing.py)
     drafter = CopyDrafter(
         task.source_dictionary, task.target_dictionary, block_size=task.cfg.block_size,
-        adaptive=task.cfg.block_size is None,
+        adaptive=task.cfg.block_size is None, prices=MeasuredPrices(),
     )
     return build_draft_verify(task, models, args, drafter, ExactAcceptance(), "iad",
                               extra_gen_cls_kwargs=extra_gen_cls_kwargs)
@@ -76,7 +79,7 @@ def build_lookup(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     dictionary = task.target_dictionary
     table = NgramTable.from_file(cfg.draft_corpus, dictionary) if cfg.draft_corpus else None
     drafter = LookupDrafter(task.source_dictionary, dictionary, table, block_size=cfg.block_size,
-                            adaptive=cfg.block_size is None)
+                            adaptive=cfg.block_size is None, prices=MeasuredPrices())
     rule = TopBetaTauAcceptance(cfg.gad_beta, cfg.gad_tau)
     return build_draft_verify(task, models, args, drafter, rule, "lookup",
                               extra_gen_cls_kwargs=extra_gen_cls_kwargs)
@@ -152,8 +155,44 @@ def build_gad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
                               extra_gen_cls_kwargs=extra_gen_cls_kwargs)
 
 
+def build_auto(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
+    """Per row and iteration, the draft that pays the most at measured prices, or none: copy,
+    lookup, the n-gram table of --draft-corpus, and the model's proposal heads or the
+    --drafter-path drafter where there is one (drafters/auto.py); exact verification."""
+    cfg = task.cfg
+    if len(models) != 1:
+        raise UsageError("--generator auto verifies with one model; give one checkpoint to --path")
+    dictionary = task.target_dictionary
+    table = NgramTable.from_file(cfg.draft_corpus, dictionary) if cfg.draft_corpus else None
+    model, kind = None, None
+    decoder = models[0].decoder
+    if cfg.drafter_path:
+        drafter = load_drafter(task, cfg.drafter_path, models[0])
+        block = cfg.block_size or drafter.block_size
+        kind = "gad"
+        if drafter.block_causal:
+            model = CachedNARDrafter(drafter, block, dictionary.eos(), dictionary.pad(),
+                                     adaptive=True, dictionary=dictionary,
+                                     draft_vocab=cfg.draft_vocab)
+        else:
+            model = NARDrafter(drafter, block, dictionary.eos(), dictionary.pad(),
+                               dictionary=dictionary, draft_vocab=cfg.draft_vocab)
+    elif getattr(decoder, "proposal_heads", 0) and decoder.proposal_heads > 1:
+        kind = "blockwise"
+        model = HeadsDrafter(decoder, dictionary.pad(), decoder.proposal_heads, adaptive=False,
+                             dictionary=dictionary, draft_vocab=cfg.draft_vocab)
+    auto = AutoDrafter(task.source_dictionary, dictionary, table, model=model, model_kind=kind)
+    generator = build_draft_verify(task, models, args, auto, ExactAcceptance(), "auto",
+                                   extra_gen_cls_kwargs=extra_gen_cls_kwargs)
+    # the prices decide when a row drafts and probes: no back-off besides them
+    generator.backoff = False
+    auto.stats = generator.stats
+    return generator
+
+
 SPECS: Dict[str, GeneratorSpec] = {spec.name: spec for spec in (
-    GeneratorSpec("beam", build_beam, "fairseq beam search", FAIRSEQ, greedy_only=False),
+    GeneratorSpec("beam", build_beam, "fairseq's own beam search, unchanged", FAIRSEQ,
+                  greedy_only=False),
     GeneratorSpec("greedy", build_greedy, "beam 1", FAIRSEQ, greedy_only=True),
     GeneratorSpec("lean_greedy", build_lean_greedy, "greedy's output from the draft-and-verify "
                   "engine, nothing drafted", DRAFT_VERIFY, greedy_only=True),
@@ -170,6 +209,10 @@ SPECS: Dict[str, GeneratorSpec] = {spec.name: spec for spec in (
     GeneratorSpec("gad", build_gad, "generalized aggressive decoding with a glat_drafter, "
                   "--drafter-path", DRAFT_VERIFY, greedy_only=True,
                   task_options=("block_size", "drafter_path", "gad_beta", "gad_tau", "draft_vocab")),
+    GeneratorSpec("auto", build_auto, "the fastest lossless greedy decoding: per row and "
+                  "iteration the draft that pays at measured prices (copy, lookup, --draft-corpus, "
+                  "proposal heads, --drafter-path) or none", DRAFT_VERIFY, greedy_only=True,
+                  task_options=("draft_corpus", "drafter_path", "draft_vocab")),
     GeneratorSpec("interleaved", build_interleaved, "multi-word beam search of ibdecoder models; "
                   "beam and greedy map to it for them", INTERLEAVED, greedy_only=False,
                   task_options=("interleaved_candidates",)),
@@ -181,7 +224,9 @@ GENERATORS = {name: spec.build for name, spec in SPECS.items()}
 
 def help_text() -> str:
     """``--generator``'s help: every name with its one-line summary."""
-    return "decoding method: " + ", ".join("%s (%s)" % (s.name, s.summary) for s in SPECS.values())
+    return ("decoding method (default auto; what auto cannot give, a typed --beam N > 1, --nbest, "
+            "an option of fairseq's search, goes to beam, which stays fairseq's own beam search): "
+            + ", ".join("%s (%s)" % (s.name, s.summary) for s in SPECS.values()))
 
 
 __all__ = [
@@ -192,6 +237,7 @@ __all__ = [
     "ExactAcceptance",
     "CopyDrafter",
     "LookupDrafter",
+    "AutoDrafter",
     "NgramTable",
     "Drafter",
     "DraftVerifyGenerator",

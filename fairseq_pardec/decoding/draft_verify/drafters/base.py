@@ -11,6 +11,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from fairseq_pardec.decoding.draft_verify.drafters.pricing import paying_length
+
 def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
     """Ragged python drafts -> (B, K) padded tensor and (B,) lengths."""
     lengths = [len(d) for d in drafts]
@@ -40,20 +42,32 @@ class AdaptiveCaps:
     token is accepted with probability about p^j, so the row drafts at most the longest length
     whose last position still reaches the threshold. A row left at no draft by it probes with
     one token after ``PROBE_AFTER`` iterations, so that its estimate can recover.
+
+    With *prices* instead (``priced_caps``, pricing.py) a row drafts the length that gains the
+    most over what its positions and its drafting cost, or nothing where no length pays; its
+    probes then come after 8, 16, 32, then every ``LONGEST_PROBE_WAIT`` iterations while they
+    fail (a probe costs a drafting row and a position for nothing on a model that never copies),
+    and a fresh row's prior is the drafter's acceptance over the rows before it
+    (:class:`AcceptanceHistory`), so that a batch on such a model does not start by drafting.
     """
 
     CEILING = 2 ** 30
     PRIOR_ACCEPTED, PRIOR_REJECTED = 0.95, 0.05
     RATE_DECAY = 0.75  # weight of a row's earlier drafts in its acceptance rate, per draft
     PROBE_AFTER = 8
+    LONGEST_PROBE_WAIT = 64
 
-    def __init__(self, rows: int, initial: float, device):
+    def __init__(self, rows: int, initial: float, device, history: "AcceptanceHistory" = None):
         self.on_host = torch.device(device).type == "cpu"
+        self.history = history
+        self.prior_accepted, self.prior_rejected = (
+            (self.PRIOR_ACCEPTED, self.PRIOR_REJECTED) if history is None else history.prior())
         if self.on_host:
             self.mean = [float(initial)] * rows
             self.accepted = [0.0] * rows
             self.rejected = [0.0] * rows
             self.idle = [0] * rows
+            self.probe_wait = [self.PROBE_AFTER] * rows
         else:
             self.mean = torch.full((rows,), float(initial), dtype=torch.float64, device=device)
 
@@ -76,8 +90,28 @@ class AdaptiveCaps:
     def acceptance_rate(self, row: int) -> float:
         """The row's estimated probability that a draft token is accepted, given the ones
         before it were (CPU only)."""
-        accepted = self.accepted[row] + self.PRIOR_ACCEPTED
-        return accepted / (accepted + self.rejected[row] + self.PRIOR_REJECTED)
+        accepted = self.accepted[row] + self.prior_accepted
+        return accepted / (accepted + self.rejected[row] + self.prior_rejected)
+
+    def priced_caps(self, rows: List[int], value: float, position: float, drafting_row: float,
+                    limits: List[int]) -> List[int]:
+        """Per row the length that pays at these prices (pricing.paying_length), within its
+        ``limits`` and twice its recent mean plus one; a probe of one token after the row's
+        wait (CPU lists only). Called once per iteration."""
+        caps = []
+        mean, idle, waits = self.mean, self.idle, self.probe_wait
+        for r, limit in zip(rows, limits):
+            cap = min(limit, int(min(2 * mean[r], self.CEILING)) + 1)
+            length = paying_length(self.acceptance_rate(r), value, position, drafting_row, cap)
+            if length > 0:
+                idle[r] = 0
+            elif cap > 0:
+                idle[r] += 1
+                if idle[r] > waits[r]:  # a probe; the next one waits twice as long
+                    idle[r], length = 0, 1
+                    waits[r] = min(2 * waits[r], self.LONGEST_PROBE_WAIT)
+            caps.append(length)
+        return caps
 
     def _paying_length(self, row: int, threshold: float) -> int:
         rate = self.acceptance_rate(row)
@@ -106,12 +140,39 @@ class AdaptiveCaps:
     def host_update(self, rows: List[int], drafted: List[int], accepted: List[int]):
         """``update`` on the host (CPU only), with the same double-precision arithmetic."""
         mean, rate_accepted, rate_rejected = self.mean, self.accepted, self.rejected
+        history = self.history
         for r, tried, kept in zip(rows, drafted, accepted):
             if tried > 0:
                 kept = float(min(kept, tried))
                 mean[r] = kept if math.isinf(mean[r]) else 0.5 * (mean[r] + kept)
                 rate_accepted[r] = self.RATE_DECAY * rate_accepted[r] + kept
                 rate_rejected[r] = self.RATE_DECAY * rate_rejected[r] + (kept < tried)
+                if kept > 0:
+                    self.probe_wait[r] = self.PROBE_AFTER
+                if history is not None:
+                    history.update(kept, kept < tried)
+
+
+class AcceptanceHistory:
+    """A drafter's per-position acceptance over all the rows it drafted for, across batches
+    (earlier drafts weighted down by DECAY per draft): the prior of each fresh row's estimate
+    (AdaptiveCaps), with the weight of one draft. Starts at AdaptiveCaps' prior."""
+
+    DECAY = 0.98
+
+    def __init__(self):
+        self.accepted, self.rejected = AdaptiveCaps.PRIOR_ACCEPTED, AdaptiveCaps.PRIOR_REJECTED
+
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def prior(self):
+        rate = self.rate()
+        return rate, 1.0 - rate
+
+    def update(self, kept: float, rejected: bool):
+        self.accepted = self.DECAY * self.accepted + kept
+        self.rejected = self.DECAY * self.rejected + rejected
 
 
 _THREADS_LOCK = threading.Lock()

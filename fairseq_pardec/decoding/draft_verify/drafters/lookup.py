@@ -22,7 +22,6 @@ from typing import List, Optional, Tuple
 import torch
 
 from fairseq_pardec.errors import UsageError
-from fairseq_pardec.decoding.draft_verify.drafters.base import pad_drafts
 from fairseq_pardec.decoding.draft_verify.drafters.source_copy import CopyDrafter
 
 logger = logging.getLogger(__name__)
@@ -183,8 +182,9 @@ class LookupDrafter(CopyDrafter):
     BATCH_STATE = dict(CopyDrafter.BATCH_STATE, output_positions=None, indexed=None)
 
     def __init__(self, src_dict, tgt_dict, table: Optional[NgramTable] = None, block_size=None,
-                 adaptive=False):
-        super().__init__(src_dict, tgt_dict, block_size=block_size, adaptive=adaptive)
+                 adaptive=False, prices=None):
+        super().__init__(src_dict, tgt_dict, block_size=block_size, adaptive=adaptive,
+                         prices=prices)
         self.table = table
 
     def start(self, sample, encoder_out, bos: int):
@@ -225,6 +225,7 @@ class LookupDrafter(CopyDrafter):
         return []
 
     def propose(self, rows, tokens, n_out, max_len):
+        began = self.clock.now() if self.clock is not None else None
         drafts = []
         row_ids, lengths = rows.tolist(), n_out.tolist()
         caps = self._row_caps(row_ids, max_len, self._ceiling(len(row_ids)))
@@ -234,6 +235,4 @@ class LookupDrafter(CopyDrafter):
             if not draft and cap > 0 and self.table is not None:
                 draft = self.table.continuation(self.outputs[row], cap)
             drafts.append(draft)
-        draft, drafted = pad_drafts(drafts, self.pad, tokens.device)
-        self._drafted = (rows, drafted)  # observe's rows are these (tests pass none)
-        return draft, drafted
+        return self._drafts_out(rows, drafts, tokens.device, began)

@@ -99,13 +99,18 @@ class HeadsDrafter(Drafter):
             dists.append(probs)
         return torch.stack(chosen, 1), None if self.sampler is None else torch.stack(dists, 1)
 
-    def observe(self, rows, features, last, tokens=None):
+    def observe(self, rows, features, last, tokens=None, caps=None):
+        """``caps``: (B,) the most proposals each of ``rows`` may draft next, decided by the
+        caller (``--generator auto``'s prices); heads no row uses are not computed."""
         if self.width <= 0:
             return
         if self.adaptive and self.drafted is not None:
             self.caps.update(rows, self.drafted, last)
         self.drafted = None
-        n, caps = self._width(rows)
+        if caps is None:
+            n, caps = self._width(rows)
+        else:
+            n = max(1, min(self.width, int(caps.max())))
         if self.decoder.proposals_read_tokens:
             drafted, probs = self._recurrent(features, tokens, n)
         else:

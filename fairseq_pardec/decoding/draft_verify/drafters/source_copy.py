@@ -6,7 +6,10 @@ from typing import List
 import torch
 from torch import Tensor
 
-from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter, pad_drafts
+from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
+                                                                Drafter, pad_drafts)
+from fairseq_pardec.decoding.draft_verify.drafters.pricing import (FixedPrices, IterationClock,
+                                                                  IterationPrices)
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +83,29 @@ class CopyDrafter(Drafter):
     GPU_MIN_CEILING = 16
 
     BATCH_STATE = dict(Drafter.BATCH_STATE, on_cpu=True, sources=None, positions=None,
-                       last_match=None, outputs=None, caps=None, _drafted=None)
+                       last_match=None, outputs=None, caps=None, _drafted=None, clock=None)
     observes_features = False  # observe reads only how much of each draft was accepted
 
-    def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False):
+    def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False,
+                 prices: IterationPrices = None):
         self.vocab_map = SourceVocabularyMap(src_dict, tgt_dict)
         self.src_pad = src_dict.pad()
         self.pad = tgt_dict.pad()
         self.block_size = block_size
         # per-row caps from each row's recent acceptance (AdaptiveCaps)
         self.adaptive = adaptive
+        # with prices (pricing.py; adaptive caps only), each row drafts only what pays for its
+        # verification and its drafting, on any device; a fresh row starts from the drafter's
+        # acceptance so far. Without, the CPU's caps stop at the threshold of CPU_FIXED.
+        self.prices = prices if adaptive else None
+        self.history = AcceptanceHistory() if self.prices is not None else None
+
+    def set_sampler(self, sampler, temperature: float = 1.0):
+        super().set_sampler(sampler, temperature)
+        if self.prices is not None and self.prices.measured:
+            # speculative sampling's draws depend on what was drafted: with prices that follow
+            # the timing, one --seed would give other samples on another run
+            self.prices = FixedPrices()
 
     def start(self, sample, encoder_out, bos: int):
         src = sample["net_input"]["src_tokens"]
@@ -109,8 +125,11 @@ class CopyDrafter(Drafter):
         # BOS + the accepted tokens seen so far, per row: accepted tokens never change, so each
         # iteration reads only the new ones from the engine's buffer
         self.outputs = [[bos] for _ in self.sources]
-        self.caps = AdaptiveCaps(len(self.sources), float("inf"), src.device)
+        # priced caps are decided on the host whatever the device (propose reads its rows there)
+        self.caps = AdaptiveCaps(len(self.sources), float("inf"),
+                                 "cpu" if self.prices is not None else src.device, self.history)
         self._drafted = None
+        self.clock = IterationClock(self.prices) if self.prices is not None else None
 
 
     def _match(self, row: int, output: List[int]):
@@ -146,6 +165,9 @@ class CopyDrafter(Drafter):
         caps = max_len.tolist()
         if ceiling is not None:
             caps = [min(cap, ceiling) for cap in caps]
+        if self.adaptive and self.prices is not None:
+            value, position, drafting_row = self.prices.prices(len(rows))
+            return self.caps.priced_caps(rows, value, position, drafting_row, caps)
         if self.adaptive:
             if self.caps.on_host:
                 threshold = None
@@ -191,6 +213,7 @@ class CopyDrafter(Drafter):
                                   [lengths[i] for i in drafting])
 
     def propose(self, rows, tokens, n_out, max_len):
+        began = self.clock.now() if self.clock is not None else None
         drafts = []
         row_ids, lengths = rows.tolist(), n_out.tolist()
         caps = self._row_caps(row_ids, max_len, self._ceiling(len(row_ids)))
@@ -203,7 +226,15 @@ class CopyDrafter(Drafter):
                 continue
             self.last_match[row] = (at, n)
             drafts.append(self.sources[row][at + 1 : at + 1 + limit])
-        draft, drafted = pad_drafts(drafts, self.pad, tokens.device)
+        return self._drafts_out(rows, drafts, tokens.device, began)
+
+    def _drafts_out(self, rows, drafts: List[List[int]], device, began):
+        """The padded drafts and their lengths, kept for ``observe``; the iteration's clock
+        (measured prices) starts at ``began``."""
+        if began is not None:
+            self.clock.tick(began, len(drafts), sum(len(d) for d in drafts),
+                            sum(1 for d in drafts if d))
+        draft, drafted = pad_drafts(drafts, self.pad, device)
         self._drafted = (rows, drafted)  # observe's rows are these (tests pass none)
         return draft, drafted
 

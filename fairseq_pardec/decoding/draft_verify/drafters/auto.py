@@ -1,0 +1,272 @@
+"""``--generator auto``: per row and per iteration, the draft that pays the most, or none.
+
+The drafters that need no model of their own are always at hand: copying the source (iad's
+match), lookup in the source and the output itself, and the n-gram table of ``--draft-corpus``.
+Where the verifier has proposal heads (blockwise) or ``--drafter-path`` names a GAD drafter, that
+drafter joins them. Each row keeps, per drafter, an estimate of its per-position acceptance rate
+(AdaptiveCaps: accepted draft tokens against first rejections, recent drafts weighing more; a
+fresh row starts from the drafter's rate over the rows before it). Each iteration the prices of
+pricing.py (measured from the engine's own iterations) say what a token is worth at this many
+active rows, what a verified position and a drafting row cost; each row then drafts with the
+drafter whose paying draft gains the most (pricing.paying_length, draft_gain), falling back to
+the next where it has nothing to propose, or drafts nothing. A drafter model runs only when the
+rows that would take its draft gain more, together, than what its run costs. A row that drafts
+nothing probes with one token of its most accepted cheap drafter after 8, 16, 32, then every 64
+such iterations, so that its estimates can recover.
+
+Verification is exact: the output is greedy decoding's whatever is drafted. With ``--sampling``
+the cheap drafts are one-hot (q = 1 at the drafted token) and a drafter model's rows carry its
+own q, so speculative sampling keeps fairseq's distribution; the prices are then fixed, so that a
+``--seed`` gives the same samples whatever the timing.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+
+from fairseq_pardec.decoding.draft_verify.drafters.base import AcceptanceHistory, AdaptiveCaps
+from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
+from fairseq_pardec.decoding.draft_verify.drafters.pricing import (IterationPrices,
+                                                                  MeasuredPrices, draft_gain,
+                                                                  paying_length)
+
+COPY, LOOKUP, NGRAM = "copy", "lookup", "ngram"
+NONE = "none"  # a row-iteration without a draft (statistics)
+
+
+class AutoDrafter(LookupDrafter):
+    """Chooses, per row and iteration, among copy, lookup, n-gram and an optional drafter model
+    (see the module's text)."""
+
+    BATCH_STATE = dict(LookupDrafter.BATCH_STATE, kind_caps=None, chosen=None, idle=None,
+                       probe_wait=None)
+    PROBE_AFTER = AdaptiveCaps.PROBE_AFTER
+    LONGEST_PROBE_WAIT = AdaptiveCaps.LONGEST_PROBE_WAIT
+
+    def __init__(self, src_dict, tgt_dict, table: Optional[NgramTable] = None,
+                 prices: IterationPrices = None, model=None, model_kind: Optional[str] = None):
+        super().__init__(src_dict, tgt_dict, table, block_size=None, adaptive=True,
+                         prices=prices if prices is not None else MeasuredPrices())
+        # model: a CachedNARDrafter / NARDrafter ("gad", drafts in propose) or a HeadsDrafter
+        # ("blockwise", proposes after each verification, from the verifier's features)
+        self.model, self.model_kind = model, model_kind if model is not None else None
+        self.cheap = [COPY, LOOKUP] + ([NGRAM] if table is not None else [])
+        self.kinds = self.cheap + ([self.model_kind] if model is not None else [])
+        self.histories = {kind: AcceptanceHistory() for kind in self.kinds}
+        self.heads = model is not None and model_kind == "blockwise"
+        self.observes_features = self.heads
+        self.stats = None  # the generator's DecodeStats (drafters' shares), set by the builder
+
+    def set_sampler(self, sampler, temperature: float = 1.0):
+        super().set_sampler(sampler, temperature)
+        if self.model is not None:
+            self.model.set_sampler(sampler, temperature)
+
+    def start(self, sample, encoder_out, bos: int):
+        super().start(sample, encoder_out, bos)
+        rows = len(self.sources)
+        self.kind_caps = {kind: AdaptiveCaps(rows, float("inf"), "cpu", self.histories[kind])
+                          for kind in self.kinds}
+        self.chosen = [None] * rows  # per batch row: (kind, draft length) of the last propose
+        self.idle = [0] * rows
+        self.probe_wait = [self.PROBE_AFTER] * rows
+        if self.model is not None:
+            self.model.start(sample, encoder_out, bos)
+
+    # ------------------------------------------------------------------ choosing
+    def _options(self, row: int, limit: int, value: float, position: float, drafting_row: float,
+                 kinds) -> List[tuple]:
+        """(gain, kind, length) of each drafter whose draft pays for this row, best first."""
+        options = []
+        for kind in kinds:
+            caps = self.kind_caps[kind]
+            rate = caps.acceptance_rate(row)
+            if rate * value <= position:  # not even a first token pays (most rows, at batch 32)
+                continue
+            cap = min(limit, int(min(2 * caps.mean[row], caps.CEILING)) + 1)
+            length = paying_length(rate, value, position, drafting_row, cap)
+            if length > 0:
+                options.append((draft_gain(rate, value, position, length) - drafting_row,
+                                kind, length))
+        options.sort(key=lambda option: -option[0])
+        return options
+
+    def _probe(self, row: int) -> List[tuple]:
+        """After its wait, a row that drafts nothing tries one token of its cheap drafters,
+        the most accepted first; the next probe waits twice as long."""
+        self.idle[row] += 1
+        if self.idle[row] <= self.probe_wait[row]:
+            return []
+        self.idle[row] = 0
+        self.probe_wait[row] = min(2 * self.probe_wait[row], self.LONGEST_PROBE_WAIT)
+        rates = [(self.kind_caps[kind].acceptance_rate(row), kind) for kind in self.cheap]
+        rates.sort(key=lambda rate: -rate[0])
+        return [(0.0, kind, 1) for _, kind in rates]
+
+    def _cheap_draft(self, kind: str, row: int, n: int, length: int) -> List[int]:
+        output = self.outputs[row]
+        if kind == COPY:
+            at = self._match(row, output)
+            if at is None:
+                return []
+            self.last_match[row] = (at, n)
+            return self.sources[row][at + 1: at + 1 + length]
+        if kind == LOOKUP:
+            return self._local(row, length)
+        return self.table.continuation(output, length)
+
+    def propose(self, rows, tokens, n_out, max_len):
+        began = self.clock.now()
+        row_ids, lengths = rows.tolist(), n_out.tolist()
+        active = len(row_ids)
+        ceiling = self._ceiling(active)
+        limits = [min(room, ceiling) for room in max_len.tolist()]
+        value, position, drafting_row = self.prices.prices(active)
+        # heads proposed after the last verification (their price is paid); gad's run is not
+        model_kinds = [self.model_kind] if self.model is not None else []
+        plans = []
+        for row, limit in zip(row_ids, limits):
+            options = self._options(row, limit, value, position, drafting_row,
+                                    self.cheap + model_kinds) if limit > 0 else []
+            if options:
+                self.idle[row] = 0
+            elif limit > 0:
+                options = self._probe(row)
+            plans.append(options)
+        model_rows = self._model_rows(plans, active)
+        self._read_drafting_rows(row_ids, tokens, lengths, [len(p) for p in plans])
+
+        model_drafts, model_q = None, None
+        if model_rows:
+            model_drafts, model_q = self._model_drafts(rows, tokens, n_out, plans, model_rows)
+        drafts, chosen = [], []
+        for i, (row, n, options) in enumerate(zip(row_ids, lengths, plans)):
+            draft, kind = [], None
+            for _, option, length in options:
+                if option == self.model_kind:
+                    draft = model_drafts[i] if i in model_rows else []
+                else:
+                    draft = self._cheap_draft(option, row, n, length)
+                if draft:
+                    kind = option
+                    break
+            drafts.append(draft)
+            chosen.append(kind)
+            self.chosen[row] = (kind, len(draft)) if kind is not None else None
+        self._count(chosen)
+        self.draft_probs = None
+        if model_q is not None:
+            self.draft_probs = self._mixed_q(drafts, chosen, model_q, tokens.device)
+        if began is not None:
+            self.clock.tick(began, active, sum(len(d) for d in drafts),
+                            sum(1 for d in drafts if d), model=bool(model_rows) and not self.heads)
+        return self._drafts_out(rows, drafts, tokens.device, None)
+
+    def _model_rows(self, plans, active: int) -> set:
+        """Rows that take the drafter model's draft: where it is their best option and, for
+        gad, only when those rows gain more together than the model's run costs."""
+        kind = self.model_kind
+        if kind is None:
+            return set()
+        rows, extra = set(), 0.0
+        for i, options in enumerate(plans):
+            if options and options[0][1] == kind:
+                rows.add(i)
+                runner_up = next((gain for gain, other, _ in options[1:]), 0.0)
+                extra += options[0][0] - max(runner_up, 0.0)
+        if self.heads or not rows:
+            return rows
+        if extra > self.prices.model_price(active):
+            return rows
+        for i in rows:  # not worth a run: their next best
+            plans[i] = [option for option in plans[i] if option[1] != kind]
+        return set()
+
+    def _model_drafts(self, rows, tokens, n_out, plans, model_rows):
+        """The drafter model's drafts of ``model_rows`` (by position among the active rows),
+        each cut at its paying length, and their q under speculative sampling."""
+        caps = [0] * rows.numel()
+        for i in model_rows:
+            caps[i] = next(length for _, kind, length in plans[i] if kind == self.model_kind)
+        caps = torch.tensor(caps, dtype=torch.long, device=n_out.device)
+        draft, lengths = self.model.propose(rows, tokens, n_out, caps)
+        draft, lengths = draft.tolist(), lengths.tolist()
+        drafts = {i: draft[i][: lengths[i]] for i in model_rows}
+        return drafts, self.model.draft_probs if self.sampler is not None else None
+
+    def _mixed_q(self, drafts, chosen, model_q, device):
+        """(B, K, V) q of every row's draft: one-hot for the deterministic drafts (and
+        padding), the drafter model's own distribution for its rows."""
+        width = max((len(d) for d in drafts), default=0)
+        padded = torch.tensor([d + [self.pad] * (width - len(d)) for d in drafts],
+                              dtype=torch.long, device=device).view(len(drafts), width)
+        q = torch.zeros(len(drafts), width, model_q.size(-1), dtype=model_q.dtype, device=device)
+        q.scatter_(2, padded.unsqueeze(-1), 1.0)
+        for i, kind in enumerate(chosen):
+            if kind == self.model_kind and drafts[i]:
+                q[i, : len(drafts[i])] = model_q[i, : len(drafts[i])]
+        return q
+
+    def _count(self, chosen):
+        stats = self.stats
+        if stats is None:
+            return
+        counts = stats.drafter_iterations
+        for kind in chosen:
+            name = kind or NONE
+            counts[name] = counts.get(name, 0) + 1
+
+    # ------------------------------------------------------------------ after verification
+    def observe(self, rows, features, last, tokens=None):
+        drafted = self._drafted
+        self._drafted = None
+        if drafted is not None:
+            drafted_rows = drafted[0].tolist()
+            accepted = last.tolist()
+            by_kind: Dict[str, tuple] = {}
+            stats = self.stats
+            for row, kept in zip(drafted_rows, accepted):
+                choice = self.chosen[row]
+                if choice is None:
+                    continue
+                kind, length = choice
+                group = by_kind.setdefault(kind, ([], [], []))
+                group[0].append(row)
+                group[1].append(length)
+                group[2].append(kept)
+                if kept > 0:
+                    self.probe_wait[row] = self.PROBE_AFTER
+                if stats is not None:
+                    stats.drafter_accepted[kind] = (stats.drafter_accepted.get(kind, 0)
+                                                    + min(kept, length))
+            for kind, (kind_rows, lengths, kept) in by_kind.items():
+                self.kind_caps[kind].host_update(kind_rows, lengths, kept)
+        if self.model is None:
+            return
+        if self.heads:
+            self._heads_propose(rows, features, last, tokens)
+        else:  # gad's own caps follow what its drafts kept (a no-op where it did not run)
+            self.model.observe(rows, features, last, tokens)
+
+    def _heads_propose(self, rows, features, last, tokens):
+        """Run the proposal heads for the rows whose heads' draft would pay next iteration
+        (by their estimates now), the others get none."""
+        heads = self.model
+        heads.next_len.zero_()
+        row_ids = rows.tolist()
+        active = len(row_ids)
+        value, position, drafting_row = self.prices.prices(active)
+        ceiling = min(self._ceiling(active), heads.width)
+        chosen, caps = [], []
+        for i, row in enumerate(row_ids):
+            options = self._options(row, ceiling, value, position, drafting_row, self.kinds)
+            if options and options[0][1] == self.model_kind:
+                chosen.append(i)
+                caps.append(options[0][2])
+        if not chosen:
+            return
+        at = torch.tensor(chosen, dtype=torch.long, device=rows.device)
+        heads.observe(rows[at], features[at.to(features.device)], last[at.to(last.device)],
+                      None if tokens is None else tokens[at.to(tokens.device)],
+                      caps=torch.tensor(caps, dtype=torch.long, device=rows.device))
+        self.clock.model_ran()
