@@ -11,6 +11,7 @@ COLUMNS = [
     ("speedup_vs_greedy", "x greedy", "%.2f"),
     ("speedup_vs_beam", "x beam", "%.2f"),
     ("speedup_vs_ct2", "x ct2", "%.2f"),
+    ("speedup_vs_best_single", "x best single", "%.2f"),
     ("mean_accepted_tokens", "tokens/iter", "%.2f"),
     ("iteration_cost", "iter cost", "%.2f"),
     ("drafter_share", "drafter", "%.0f%%"),
@@ -20,6 +21,7 @@ COLUMNS = [
     ("close_calls", "close calls", "%d"),
     ("identical_to_source", "= source", "%.1f%%"),
     ("first_divergence", "1st diff at", "%.1f"),
+    ("drafts", "drafts", "%s"),
 ]
 
 
@@ -31,7 +33,9 @@ def markdown(meta, rows):
         "steps of the same batch (at batch 1 the tokens/iter needed to break even); *drafter*: "
         "share of the decoding time spent drafting, *verifier*: in the verifier's decoder calls "
         "(CPU only; the rest is the engine); *close calls*: choices the fast step's margin guard "
-        "left to fairseq's own search, in one run; *= source*: "
+        "left to fairseq's own search, in one run; *x best single*: speed over the fastest of "
+        "lean_greedy, iad and lookup in the run; *drafts* (auto): each drafter's share of the "
+        "row-iterations, with its accepted draft tokens per drafting iteration; *= source*: "
         "share of outputs identical to their source (shared vocabularies only); *1st diff at*: "
         "mean token index of the first difference from "
         "greedy, over the sentences that differ."

@@ -270,6 +270,10 @@ def git_commit():
         return None
 
 
+# "x best single": a row's speed over the fastest of these in the same run
+SINGLE_GENERATORS = ("lean_greedy", "iad", "lookup")
+
+
 def run(args):
     from tqdm import tqdm
 
@@ -350,6 +354,8 @@ def run(args):
                 # for generators that have the guard
                 "close_calls": st.get("close_calls") if _guarded(generators[label]) else None,
                 "checkpoint": paths[label],
+                # --generator auto: each drafter's share of the row-iterations (the last run's)
+                "drafts": getattr(generators[label].stats, "drafter_shares", str)() or None,
             }
             row.update(quality(task, outputs[label], references, args.remove_bpe, sources))
             if greedy_label is not None:
@@ -365,6 +371,13 @@ def run(args):
                     row[key] = by_label[ref_label]["wall_time_s"] / row["wall_time_s"]
             if greedy_label is not None:
                 row["iteration_cost"] = iteration_cost(row, by_label[greedy_label])
+        # the fastest of the single generators auto chooses among, on the --path model
+        singles = [by_label[s[0]]["sentences_per_s"] for s in specs
+                   if s[1] in SINGLE_GENERATORS and "path" not in s[2]
+                   and by_label[s[0]]["sentences_per_s"]]
+        for row in by_label.values():
+            if singles and row["sentences_per_s"]:
+                row["speedup_vs_best_single"] = row["sentences_per_s"] / max(singles)
         if args.step_table:
             steps.append(step_row(model, samples[0], by_label.get(ct2_label), args))
 

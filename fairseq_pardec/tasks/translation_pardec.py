@@ -37,7 +37,7 @@ GENERATOR_CHOICES = ChoiceEnum(list(SPECS))
 @dataclass
 class TranslationPardecConfig(TranslationConfig):
     generator: GENERATOR_CHOICES = field(
-        default="beam",
+        default="auto",
         metadata={
             "help": help_text()
         },
@@ -243,6 +243,28 @@ class TranslationPardecTask(TranslationTask):
         return super().get_batch_iterator(dataset, *args, **kwargs)
 
     # ------------------------------------------------------------------ generators
+    def _auto_choice(self, models, args, seq_gen_cls, extra_gen_cls_kwargs,
+                     prefix_allowed_tokens_fn) -> str:
+        """``--generator auto`` (the default): the lossless draft-and-verify ``auto`` wherever it
+        gives what was asked for; fairseq's own search (``beam``) for what only that gives (a
+        typed --beam N > 1, --nbest, --score-reference, a caller's generator class, options of
+        fairseq's search), which for ibdecoder models is the interleaved search."""
+        if (seq_gen_cls is not None or getattr(args, "score_reference", False)
+                or (models and hasattr(models[0], "words_per_step"))):
+            return "beam"
+        try:
+            refuse("auto", self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
+                   explicit_beam=self.cfg.explicit_beam)
+        except UsageError as auto_refusal:
+            try:
+                refuse("beam", self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
+                       explicit_beam=self.cfg.explicit_beam)
+            except UsageError:
+                raise auto_refusal from None
+            logger.info("--generator auto: fairseq's own search decodes (%s)", auto_refusal)
+            return "beam"
+        return "auto"
+
     def build_generator(
         self,
         models,
@@ -253,6 +275,9 @@ class TranslationPardecTask(TranslationTask):
     ):
         refuse_non_verifiers(models)
         asked = name = str(self.cfg.generator)
+        if asked == "auto":
+            asked = name = self._auto_choice(models, args, seq_gen_cls, extra_gen_cls_kwargs,
+                                             prefix_allowed_tokens_fn)
         if models and hasattr(models[0], "words_per_step") and name in ("beam", "greedy"):
             name = "interleaved"  # ibdecoder models emit several words per step
         if seq_gen_cls is not None and asked != "beam":
