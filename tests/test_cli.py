@@ -7,78 +7,17 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLUGIN = os.path.join(ROOT, "fairseq_pardec")
-MINI = os.path.join(ROOT, "data", "uagec-mini")
-N_TEST = 37  # not a multiple of the batch sizes below: the tail batch must survive
-
-TINY = (
-    "--arch transformer --encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 "
-    "--decoder-embed-dim 32 --encoder-ffn-embed-dim 64 --decoder-ffn-embed-dim 64 "
-    "--encoder-attention-heads 2 --decoder-attention-heads 2 --share-all-embeddings "
-    "--optimizer adam --lr 0.003 --batch-size 32 --no-progress-bar --log-format simple "
-    "--num-workers 0 --seed 1"
-).split()
+from cli_setup import (  # noqa: F401  (names other test modules import from here)
+    MINI, N_TEST, PLUGIN, ROOT, TINY, assert_clean_error, copy_checkpoints, generate, hypotheses, run,
+    with_arch,
+)
 
 
-def with_arch(arch):
-    args = list(TINY)
-    args[args.index("--arch") + 1] = arch
-    return args
-
-
-def run(module, *args, input_text=None, check=True):
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
-        capture_output=True, text=True, env=env, input=input_text, timeout=600,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError("%s failed (%d):\n%s" % (module, proc.returncode, proc.stderr[-3000:]))
-    return proc
-
-
-@pytest.fixture(scope="session")
-def cli_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    raw = root / "raw"
-    raw.mkdir()
-    for split, n in (("train", 300), ("valid", 30), ("test", N_TEST)):
-        for side in ("src", "tgt"):
-            with open(os.path.join(MINI, "%s.%s" % (split, side)), encoding="utf-8") as f:
-                lines = f.read().split("\n")[:n]
-            (raw / ("%s.%s" % (split, side))).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    data = root / "bin"
-    run("fairseq_cli.preprocess", "--source-lang", "src", "--target-lang", "tgt",
-        "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
-        "--destdir", data, "--joined-dictionary", "--nwordssrc", 600, "--workers", 1)
-    return root, data
-
-
-@pytest.fixture(scope="session")
-def stock_checkpoint(cli_data):
-    """Trained with the *stock* translation task and --eval-bleu (numpy state in the checkpoint)."""
-    root, data = cli_data
-    save = root / "ckpt-stock"
-    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation", *TINY,
-        "--max-update", 12, "--save-dir", save, "--eval-bleu", "--eval-bleu-args", '{"beam": 1}',
-        "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric")
-    return save
-
-
-def hypotheses(stdout):
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^H-(\d+)\t\S+\t(.*)$", stdout, re.M)}
-
-
-def generate(data, ckpt, *extra, task="translation_pardec", check=True):
-    return run("fairseq_cli.generate", data, "--user-dir", PLUGIN, "--path", ckpt,
-               "--task", task, "--gen-subset", "test", "--max-len-b", 30, *extra, check=check)
-
-
-def test_resume_training_from_eval_bleu_checkpoint(cli_data, stock_checkpoint):
+def test_resume_training_from_eval_bleu_checkpoint(cli_data, stock_checkpoint, tmp_path):
     _, data = cli_data
+    save = copy_checkpoints(stock_checkpoint, tmp_path / "resumed")
     proc = run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation", *TINY,
-               "--max-update", 16, "--save-dir", stock_checkpoint, "--eval-bleu",
+               "--max-update", 16, "--save-dir", save, "--eval-bleu",
                "--eval-bleu-args", '{"beam": 1}', "--best-checkpoint-metric", "bleu",
                "--maximize-best-checkpoint-metric")
     assert "Loaded checkpoint" in proc.stderr + proc.stdout
@@ -100,7 +39,8 @@ def test_iad_identical_to_greedy_and_reports_stats(cli_data, stock_checkpoint):
     _, data = cli_data
     ckpt = stock_checkpoint / "checkpoint_last.pt"
     greedy = generate(data, ckpt, "--generator", "greedy", "--batch-size", 16)
-    iad = generate(data, ckpt, "--generator", "iad", "--batch-size", 16)
+    iad = generate(data, ckpt, "--generator", "iad", "--batch-size", 16,
+                   fresh=True)  # fairseq-generate as a user starts it
     beam_one = generate(data, ckpt, "--task", "translation", "--beam", 1, "--batch-size", 16,
                         task="translation")
     assert hypotheses(iad.stdout) == hypotheses(greedy.stdout)
@@ -132,7 +72,8 @@ def test_checkpoint_of_our_task_decodes_with_stock_task(cli_data):
     root, data = cli_data
     save = root / "ckpt-ours"
     run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec", *TINY,
-        "--max-update", 4, "--save-dir", save, "--no-epoch-checkpoints")
+        "--max-update", 4, "--save-dir", save, "--no-epoch-checkpoints",
+        fresh=True)  # fairseq-train as a user starts it
     out = generate(data, save / "checkpoint_last.pt", "--beam", 2, "--required-batch-size-multiple", 1,
                    task="translation")
     assert len(hypotheses(out.stdout)) == N_TEST
@@ -144,18 +85,11 @@ def test_interactive_empty_line_decodes_and_continues(cli_data, stock_checkpoint
     out = run("fairseq_cli.interactive", data, "--user-dir", PLUGIN, "--path",
               stock_checkpoint / "checkpoint_last.pt", "--task", "translation_pardec",
               "--generator", "iad", "--source-lang", "src", "--target-lang", "tgt",
-              "--max-len-b", 20, input_text=lines)
+              "--max-len-b", 20, input_text=lines, fresh=True)  # as a user starts it
     assert len(re.findall(r"^H-\d+\t", out.stdout, re.M)) == 3
 
 
 # ---------------------------------------------------------------- bad input: one line, no traceback
-def assert_clean_error(proc, *needles):
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    for needle in needles:
-        assert needle in proc.stderr, proc.stderr[-2000:]
-
-
 def test_iad_sampling_is_seeded_and_lean_greedy_equals_greedy(cli_data, stock_checkpoint):
     _, data = cli_data
     ckpt = stock_checkpoint / "checkpoint_last.pt"
@@ -226,7 +160,8 @@ def test_benchmark_harness(cli_data, stock_checkpoint, tmp_path):
     proc = run("fairseq_pardec.benchmark", data, "--path", stock_checkpoint / "checkpoint_last.pt",
                "--generators", "beam:beam=2", "greedy", "iad", "--batch-sizes", 1, 4,
                "--repeats", 1, "--max-sentences", 9, "--warmup-sentences", 2, "--threads", 1,
-               "--max-len-b", 12, "--no-progress", "--out-dir", out)
+               "--max-len-b", 12, "--no-progress", "--out-dir", out,
+               fresh=True)  # the benchmark as a user starts it
     result = json.loads((out / "results.json").read_text())
     rows = {(r["generator"], r["batch_size"]): r for r in result["rows"]}
     assert set(rows) == {(g, b) for g in ("beam2", "greedy", "iad") for b in (1, 4)}
@@ -364,19 +299,6 @@ def test_safe_loading_allowlist_is_what_makes_checkpoints_load(stock_checkpoint)
     assert "plugin: loaded" in proc.stdout, proc.stderr[-2000:]
 
 
-@pytest.fixture(scope="session")
-def blockwise_checkpoint(cli_data, stock_checkpoint):
-    """Proposal heads trained with the stock fairseq-train on top of the stock checkpoint."""
-    root, data = cli_data
-    save = root / "ckpt-blockwise"
-    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
-        *with_arch("blockwise_transformer"), "--proposal-heads", 3, "--identity-first-head",
-        "--freeze-base", "--init-from-transformer", stock_checkpoint / "checkpoint_last.pt",
-        "--criterion", "blockwise_cross_entropy", "--max-update", 6, "--save-dir", save,
-        "--no-epoch-checkpoints")
-    return save / "checkpoint_last.pt"
-
-
 def test_light_heads_train_with_fairseq_train_and_decode_as_greedy(cli_data, stock_checkpoint, tmp_path):
     root, data = cli_data
     run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
@@ -454,19 +376,6 @@ def test_plugin_checkpoint_without_user_dir_fails_as_documented(cli_data, blockw
     # torch >= 2.6 refuses the checkpoint's argparse.Namespace before fairseq even looks for the
     # architecture (older torch: fairseq's IndexError/KeyError); README documents both
     assert re.search(r"argparse.Namespace|IndexError|KeyError", proc.stderr)
-
-
-@pytest.fixture(scope="session")
-def drafter_checkpoint(cli_data, stock_checkpoint):
-    """A tiny GLAT drafter trained with the stock fairseq-train, encoder from the verifier."""
-    root, data = cli_data
-    save = root / "ckpt-drafter"
-    tiny = with_arch("glat_drafter")
-    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec", *tiny,
-        "--drafter-block-size", 4, "--criterion", "glat_loss", "--glat-anneal-updates", 10,
-        "--init-from-verifier", stock_checkpoint / "checkpoint_last.pt",
-        "--max-update", 6, "--save-dir", save, "--no-epoch-checkpoints")
-    return save / "checkpoint_last.pt"
 
 
 def test_gad_cli_equals_greedy(cli_data, stock_checkpoint, drafter_checkpoint):
@@ -553,18 +462,6 @@ def test_gad_dictionary_mismatch(cli_data, stock_checkpoint, tmp_path):
     proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "gad",
                     "--drafter-path", tmp_path / "d" / "checkpoint_last.pt", check=False)
     assert_clean_error(proc, "dictionaries differ")
-
-
-@pytest.fixture(scope="session")
-def ibdecoder_checkpoint(cli_data):
-    """An IBDecoder (h = 2, c = 1) trained with the stock fairseq-train and the stock criterion."""
-    root, data = cli_data
-    save = root / "ckpt-ibdecoder"
-    run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation_pardec",
-        *with_arch("ibdecoder"), "--ib-directions", 2, "--ib-words-per-direction", 1,
-        "--criterion", "label_smoothed_cross_entropy", "--max-update", 6, "--save-dir", save,
-        "--no-epoch-checkpoints")
-    return save / "checkpoint_last.pt"
 
 
 @pytest.mark.parametrize("flags", [

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from test_cli import PLUGIN, cli_data  # noqa: F401  (cli_data: a fixture shared by the modules)
+from test_cli import PLUGIN  # cli_data: a session fixture of conftest.py
 
 SIZES = (
     "--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 --decoder-embed-dim 32 "
@@ -171,7 +171,7 @@ def assert_same_weights(path_a, path_b, atol=1e-5):
 
 
 @pytest.fixture(scope="module")
-def base(cli_data, tmp_path_factory):  # noqa: F811
+def base(cli_data, tmp_path_factory):
     """A tiny transformer of the same sizes: the frozen base / verifier of the cases above."""
     _, data = cli_data
     save = tmp_path_factory.mktemp("dist-base")
@@ -188,7 +188,7 @@ def case_flags(name, base_path):
 
 
 @pytest.fixture(scope="module")
-def single_process(cli_data, base, tmp_path_factory):  # noqa: F811
+def single_process(cli_data, base, tmp_path_factory):
     """One process with --update-freq RANKS x F, per case, run once: (output, checkpoint)."""
     _, data = cli_data
     done = {}
@@ -206,7 +206,7 @@ def single_process(cli_data, base, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_two_processes_train_as_one(cli_data, base, single_process, tmp_path, name):  # noqa: F811
+def test_two_processes_train_as_one(cli_data, base, single_process, tmp_path, name):
     """--ddp-backend legacy_ddp, gloo: the launch that works on CPU (docs/distributed-training.md)."""
     _, data = cli_data
     flags, update_freq = case_flags(name, base)
@@ -228,7 +228,7 @@ def test_two_processes_train_as_one(cli_data, base, single_process, tmp_path, na
 
 
 @pytest.mark.parametrize("name", ["blockwise-frozen", "glat-block-causal-verifier"])
-def test_pytorch_ddp_code_path(cli_data, base, single_process, tmp_path, name):  # noqa: F811
+def test_pytorch_ddp_code_path(cli_data, base, single_process, tmp_path, name):
     """fairseq's --ddp-backend pytorch_ddp (torch's DDP, the GPU default), run on CPU with the
     device_ids dropped: a frozen base (or frozen verifier encoder) needs no
     --find-unused-parameters, and GLAT's gradients are all-reduced (its criterion's gradient pass
@@ -287,7 +287,7 @@ def build(data, flags):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_every_trainable_parameter_gets_a_gradient(cli_data, base, name):  # noqa: F811
+def test_every_trainable_parameter_gets_a_gradient(cli_data, base, name):
     """So torch's DDP needs no --find-unused-parameters for our models (a parameter that takes no
     part in a step would stop it), whichever heads, prefixes or glances a batch draws; frozen
     parts (requires_grad False) are left out by both DDP wrappers."""

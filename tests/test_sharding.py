@@ -10,16 +10,7 @@ import time
 
 import pytest
 
-from test_cli import (  # noqa: F401  (pytest fixtures are used by name)
-    N_TEST,
-    PLUGIN,
-    ROOT,
-    blockwise_checkpoint,
-    cli_data,
-    drafter_checkpoint,
-    ibdecoder_checkpoint,
-    stock_checkpoint,
-)
+from test_cli import N_TEST, PLUGIN, ROOT  # the CLI fixtures come from conftest.py
 
 RECIPE = os.path.join(ROOT, "examples", "decode-sharded.sh")
 BATCH = ["--batch-size", "8"]  # 37 sentences -> batches 8 8 8 8 5: shard 1 of 2 gets a fill slot
