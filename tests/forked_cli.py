@@ -29,7 +29,7 @@ START_VARIABLES = ("OMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "KMP_", "GOMP_",
                    "LD_", "CUDA_", "TORCH_")
 
 _SERVER = r'''
-import atexit, json, os, runpy, signal, sys, traceback
+import atexit, importlib.util, json, os, runpy, signal, sys
 
 requests, replies = (int(fd) for fd in sys.argv[1:3])
 for fd in (requests, replies):
@@ -50,7 +50,12 @@ def child(request):
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = [request["module"]] + request["args"]
+    # as `python -m`: argv[0] is "-m" while the module's packages import, then the module's file
+    sys.argv = ["-m"] + request["args"]
+    spec = importlib.util.find_spec(request["module"])
+    if spec.submodule_search_locations is not None:  # a package runs its __main__
+        spec = importlib.util.find_spec(request["module"] + ".__main__")
+    sys.argv[0] = spec.origin
     code = 0
     try:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)

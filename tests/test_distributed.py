@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 
+from forked_cli import run_module
 from test_cli import PLUGIN  # cli_data: a session fixture of conftest.py
 
 SIZES = (
@@ -93,7 +94,10 @@ def train(data, save_dir, flags, ranks=1, script=None):
             "--save-dir", str(save_dir), *map(str, flags)]
     os.makedirs(save_dir, exist_ok=True)
     if ranks == 1:
-        proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=TIMEOUT)
+        if script is None:  # a child forked from a process that imported torch and fairseq
+            proc = run_module("fairseq_cli.train", args[3:], env, timeout=TIMEOUT)
+        else:
+            proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=TIMEOUT)
         return proc.returncode, proc.stdout + proc.stderr
     for _attempt in range(2):  # a port taken between free_port() and the bind: try another
         port = free_port()
