@@ -196,15 +196,22 @@ def _bind_openmp(library: ctypes.CDLL, runtime: Optional[str]) -> Optional[str]:
     return None
 
 
+class _Stale(RuntimeError):
+    """The installed library was compiled from other sources than the ones next to it."""
+
+
 def _open(path: Path, installed: bool, build_id: str, cap: Optional[int] = None) -> NativeKernel:
-    """Load a library, bind its variant (at most ``cap``'s level) and torch's OpenMP runtime,
-    and check it."""
+    """Load a library, make sure it brought no OpenMP runtime and was built from these sources,
+    bind its variant (at most ``cap``'s level) and torch's OpenMP runtime, and check it."""
     before = openmp_runtimes()
     library = ctypes.CDLL(str(path))
     brought = sorted(set(openmp_runtimes()) - set(before))
     if brought:
         raise RuntimeError("%s brought an OpenMP runtime of its own into the process (%s); "
                            "only torch's may run" % (path, ", ".join(brought)))
+    library.pardec_source_digest.restype = ctypes.c_char_p
+    if library.pardec_source_digest().decode() != native_build.source_digest():
+        raise _Stale()
     if cap is not None and library.pardec_select(cap) < 0:
         raise RuntimeError("%s has no variant for this CPU at or below the level asked" % path)
     kernel = NativeKernel(library, path, installed, _bind_openmp(library, _torch_openmp(before)),
@@ -221,15 +228,13 @@ def _installed() -> Optional[NativeKernel]:
         return None
     if arch != "native" and arch not in native_build.LEVELS:
         return None  # another target than the installed variants: built at run time
-    library = ctypes.CDLL(str(INSTALLED))
-    library.pardec_source_digest.restype = ctypes.c_char_p
-    built_from, digest = library.pardec_source_digest().decode(), native_build.source_digest()
-    if built_from != digest:
+    try:
+        kernel = _open(INSTALLED, True, "installed-%s" % native_build.source_digest(),
+                       native_build.LEVELS.get(arch, 1 << 20))
+    except _Stale:
         logger.info("%s was built from other sources than the ones next to it (an in-place "
                     "build left behind by an edit); building them for this machine", INSTALLED)
         return None
-    kernel = _open(INSTALLED, True, "installed-%s" % digest,
-                   native_build.LEVELS.get(arch, 1 << 20))
     logger.debug("native kernels: %s (%s)", INSTALLED, kernel.variant)
     return kernel
 
