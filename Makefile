@@ -27,8 +27,9 @@ install: $(VENV)/.installed
 ANYCPU  := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
            FAIRSEQ_PARDEC_NATIVE_ARCH=x86-64-v3
 
+# --durations: the slowest tests, so that a slow one is seen when it lands
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/python -m pytest -q tests
+	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/python -m pytest -q --durations=15 tests
 	$(ANYCPU) OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/python -m pytest -q -m trains tests
 
 demo: $(VENV)/.installed

@@ -15,6 +15,7 @@ def test_running_scores_round_after_every_step():
     start = -30 * torch.rand(5, generator=g)
     steps = -torch.rand(5, 40, generator=g) * 1e-3 - torch.rand(5, 40, generator=g) * 5
     got = running_scores(start, steps)
+    # bitwise: the same float32 additions in the same order (a left-to-right accumulation)
     for row in range(5):
         acc = start[row].clone()
         assert got[row, 0] == acc
