@@ -229,12 +229,13 @@ def _installed() -> Optional[NativeKernel]:
     if arch != "native" and arch not in native_build.LEVELS:
         return None  # another target than the installed variants: built at run time
     try:
-        kernel = _open(INSTALLED, True, "installed-%s" % native_build.source_digest(),
-                       native_build.LEVELS.get(arch, 1 << 20))
+        kernel = _open(INSTALLED, True, "installed", native_build.LEVELS.get(arch, 1 << 20))
     except _Stale:
         logger.info("%s was built from other sources than the ones next to it (an in-place "
                     "build left behind by an edit); building them for this machine", INSTALLED)
         return None
+    # its kernel choices apart from those of another variant (the suite's AVX2 pass)
+    kernel.build_id = "installed-%s-%s" % (native_build.source_digest(), kernel.variant)
     logger.debug("native kernels: %s (%s)", INSTALLED, kernel.variant)
     return kernel
 

@@ -18,6 +18,7 @@ guard covers each (fast.py, DEFAULT_MARGIN; tests/test_fast_step.py runs every k
 """
 
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -188,7 +189,8 @@ def _machine() -> str:
                                   if line.startswith(("model name", "flags", "Features"))}))
     except OSError:
         pass
-    return "%s|%s|%s" % (platform.node(), platform.machine(), cpu)
+    return "%s %s" % (platform.node(), hashlib.sha256(
+        (platform.machine() + "\0" + cpu).encode()).hexdigest()[:16])
 
 
 class KernelChoice:
