@@ -70,19 +70,21 @@ class GraphSet:
     def call(self, key: Hashable, fn: Callable):
         if not self.enabled:
             return fn()
-        recorded = self._graphs.get(key)
-        if recorded is None:
-            try:
-                recorded = self._graphs[key] = self._capture(fn)
-            except RuntimeError as error:
-                # an operation that cannot be recorded (a driver or torch build without the
-                # support some kernel needs): this set runs eagerly from now on, same results
-                self.enabled = False
-                self._graphs.clear()
-                _log_failure(error)
-                return fn()
-        graph, outputs = recorded
-        graph.replay()
+        # a model on another GPU than the current one: record and replay on its own
+        with torch.cuda.device(self.device):
+            recorded = self._graphs.get(key)
+            if recorded is None:
+                try:
+                    recorded = self._graphs[key] = self._capture(fn)
+                except RuntimeError as error:
+                    # an operation that cannot be recorded (a driver or torch build without the
+                    # support some kernel needs): this set runs eagerly from now on, same results
+                    self.enabled = False
+                    self._graphs.clear()
+                    _log_failure(error)
+                    return fn()
+            graph, outputs = recorded
+            graph.replay()
         return outputs
 
     def _capture(self, fn: Callable):
