@@ -11,6 +11,9 @@ most ``PROBE`` tokens. A draft with at least one accepted token ends the back-of
 Over ``n`` tokens of a row that never copies, drafting iterations grow as ``log2(n)`` while
 ``n / LONGEST_WAIT`` bounds them from below: about one verified position more per
 ``LONGEST_WAIT`` accepted tokens, once the waits are long.
+
+``--generator auto`` keeps no back-off: its prices (drafters/pricing.py) decide when a row drafts
+and when it probes, per drafter (drafters/auto.py).
 """
 
 import torch

@@ -30,6 +30,8 @@ import math
 import time
 from typing import List, Optional
 
+import numpy as np
+
 
 class IterationPrices:
     """Prices of an iteration's parts by active row count, in any unit (only ratios matter)."""
@@ -98,34 +100,26 @@ class _Fit:
             # so that one rare outlier does not price every draft out
             seconds = min(seconds, 3.0 * max(self.predict(x), 1e-9))
         forget, gram, moment = self.FORGET, self.gram, self.moment
-        for i in range(5):
-            moment[i] = forget * moment[i] + x[i] * seconds
+        for i, xi in enumerate(x):  # the upper triangle only (symmetric)
+            moment[i] = forget * moment[i] + xi * seconds
             row = gram[i]
-            for j in range(5):
-                row[j] = forget * row[j] + x[i] * x[j]
+            for j in range(i, 5):
+                row[j] = forget * row[j] + xi * x[j]
         self.seen += 1
         if self.seen % self.SOLVE_EVERY == 0 or self.seen <= 4:
             self._solve()
 
     def _solve(self):
-        n = 5
-        a = [[self.gram[i][j] + (self.RIDGE * self.scale[i] ** 2 if i == j else 0.0)
-              for j in range(n)] + [self.moment[i] + self.RIDGE * self.scale[i] ** 2 * self.prior[i]]
-             for i in range(n)]
-        for col in range(n):  # Gaussian elimination with partial pivoting (5 x 5)
-            pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-            if abs(a[pivot][col]) < 1e-300:
-                return
-            a[col], a[pivot] = a[pivot], a[col]
-            for r in range(col + 1, n):
-                f = a[r][col] / a[col][col]
-                if f:
-                    for c in range(col, n + 1):
-                        a[r][c] -= f * a[col][c]
-        coef = [0.0] * n
-        for r in range(n - 1, -1, -1):
-            coef[r] = (a[r][n] - sum(a[r][c] * coef[c] for c in range(r + 1, n))) / a[r][r]
-        self.coef = coef
+        gram = np.array(self.gram)
+        gram = np.triu(gram) + np.triu(gram, 1).T  # the lower triangle was not kept
+        ridge = self.RIDGE * np.square(self.scale)
+        try:
+            coef = np.linalg.solve(gram + np.diag(ridge),
+                                   np.array(self.moment) + ridge * np.array(self.prior))
+        except np.linalg.LinAlgError:
+            return
+        if np.all(np.isfinite(coef)):
+            self.coef = coef.tolist()
 
 
 class MeasuredPrices(IterationPrices):
@@ -191,12 +185,17 @@ class MeasuredPrices(IterationPrices):
 class IterationClock:
     """A batch's timing of its iterations for :class:`MeasuredPrices`: each ``propose`` ticks
     once, with the time it began and what it drafted; the time to the next tick is that
-    iteration's (drafting, verifying, deciding, retiring rows)."""
+    iteration's (drafting, verifying, deciding, retiring rows). After a batch's first
+    ``EVERY_FROM`` iterations one in ``EVERY`` is fitted: plenty for the fit, and its
+    arithmetic in Python stays a small fraction of an iteration."""
+
+    EVERY_FROM, EVERY = 16, 4
 
     def __init__(self, prices: IterationPrices):
         self.prices = prices
         self.measured = prices.measured
         self.open = None
+        self.ticks = 0
 
     def now(self) -> Optional[float]:
         return self.prices.clock() if self.measured else None
@@ -205,7 +204,9 @@ class IterationClock:
              model: bool = False):
         if began is None:
             return
-        if self.open is not None:
+        self.ticks += 1
+        if self.open is not None and (self.ticks <= self.EVERY_FROM
+                                      or self.ticks % self.EVERY == 0):
             was_rows, was_extra, was_drafting, was_model, was_began = self.open
             self.prices.observe(was_rows, was_extra, was_drafting, began - was_began, was_model)
         self.open = [rows, extra_positions, drafting_rows, model, began]
