@@ -169,6 +169,8 @@ def run_module(module, args, env, input_text=None, cwd=None, timeout=600):
         for name in ("stdout", "stderr"):
             open(paths[name], "w").close()
         key = _start_key(env)
+        if key in _servers and _servers[key].process.poll() is not None:
+            del _servers[key]  # ended (killed from outside): start another
         if key not in _servers:
             _servers[key] = _Server(env)
         request = dict(paths, module=module, args=args, env=dict(env), cwd=cwd or os.getcwd())
