@@ -3,10 +3,11 @@
 The fast step, the fast encoder and the output projections keep weights in layouts of their own
 (transposed, packed for oneDNN, in panels for the native kernel, fused and pre-scaled). They look
 once per batch whether those copies still hold the model's weights, and at batch 1 that look must
-cost next to nothing: a sentence takes some 25 ms, while reading a d256 3+3 model's 31 MB once
-(a checksum) took about 1 ms on the machine of docs/results.md, more than the whole batch's
-bookkeeping. So nothing is read from the weights. A :class:`WeightsKey` is built from what torch
-records of every write, and from the one write path torch does not record, which it watches:
+cost next to nothing. Reading every weight once per batch (a checksum, which would not even see
+every change: a float sum absorbs small ones) costs about ten times the key below, and several
+percent of a sentence (docs/results.md). So nothing is read from the weights. A
+:class:`WeightsKey` is built from what torch records of every write, and from the one write path
+torch does not record, which it watches:
 
 * ``data_ptr()``: a parameter replaced on its module (its owner's ``_parameters`` is read, not a
   parameter object kept from before), or given new storage (``.to(dtype)``, ``.half()``,
@@ -29,7 +30,7 @@ records of every write, and from the one write path torch does not record, which
   such a read (printing a parameter, ``torch.save`` of a whole module) costs one rebuild, never
   a stale weight.
 
-Not seen, and so documented in docs/troubleshooting.md: writes through memory torch hands out
+Not seen (the user documentation says so too): writes through memory torch hands out
 without a version counter, ``p.numpy()`` / ``p.detach().numpy()`` arrays, ``untyped_storage()``,
 DLPack exports and raw ``data_ptr()`` writes; writes through a ``p.data`` alias taken before
 the parameter was first watched (before the first generator on the model was built) and kept;
@@ -39,9 +40,9 @@ call ``model.load_state_dict(model.state_dict())``, which bumps every version).
 
 A watched parameter is still an ``nn.Parameter`` for everything else (``isinstance``,
 optimizers, ``state_dict``, ``deepcopy``); ``torch.save`` of a whole module pickles it as a
-plain ``Parameter``. Walking a module tree with ``parameters()`` cost about 0.4 ms per look for a
-3-layer d256 decoder, so the tree is walked once; a look reads each parameter through its owner,
-its storage address, its version and its watch record (tens of microseconds).
+plain ``Parameter``. Walking a module tree with ``parameters()`` on every look would cost more
+than the look itself, so the tree is walked once; a look reads each parameter through its owner,
+its storage address, its version and its watch record.
 
 :data:`PREPARE_LOCK` serialises the rebuilds of every layout in the process (rare: first batch
 and after a change), so that two threads starting together build one layout, measure the
