@@ -14,8 +14,32 @@ One iteration:
 
 The per-step adjustments are fairseq ``SequenceGenerator``'s (pad never chosen, ``--unkpen``,
 EOS forced at ``max_len``, EOS barred before ``--min-len``, ``--prefix-size`` forcing, max length
-from ``--max-len-a/b`` and the padded source length of the batch), so with
-:class:`ExactAcceptance` the output equals fairseq's beam-1 search token for token.
+from ``--max-len-a/b`` and the padded source length of the batch).
+
+The contract, with a lossless acceptance rule (:class:`ExactAcceptance` and its equivalents) and
+no ``--sampling``, in float32, on the CPU or on CUDA:
+
+* with ``--batch-size 1`` the output is ``fairseq-generate --beam 1``'s (fairseq's
+  ``SequenceGenerator`` with beam 1), token for token;
+* at larger batches it is identical wherever fairseq's own output is batch-invariant: fairseq's
+  greedy search itself may choose otherwise at batch 32 than at batch 1 (its products run at
+  other shapes), and the engine's rows finish at other iterations than fairseq's do, so such a
+  near-tie can go either way in either program.
+
+It holds by construction: the verifier chooses as fairseq's beam-1 search does (its top-2 and
+tie rule on the float32 running score, decoding/fairseq_rules.py), and wherever the decoder step
+may round otherwise than fairseq (its declared ``margin``, step/margins.py: a block of several
+positions, another kernel, fused products) a choice whose lead is within the margin is a *close
+call*, decided by replaying fairseq's own arithmetic for that sentence at batch 1 on the model's
+device (draft_verify/margin_guard.py). float32 CUDA products set to TF32 are refused. In
+float16/bfloat16 no bound is claimed and no guard runs: outputs are not guaranteed identical.
+
+Each iteration reads the device once: per row what it gained, whether it ended, what it drafted
+and kept, and where its first close call lies (``_read``; a second read only in the rare
+iteration with a close call, whose replay reads the device anyway). Acceptance, commit, rollback
+and the retired rows' hypotheses are device operations. On the CPU, where reads cost nothing and
+each small tensor operation costs microseconds, exact decisions are made in Python instead
+(host_decisions.py), number for number the same.
 """
 
 import logging
@@ -30,6 +54,7 @@ from fairseq_pardec.errors import UsageError
 from fairseq_pardec.decoding.fairseq_rules import (beam_one_choice, running_scores,
                                                              token_rules)
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.step.margins import refuse_reduced_precision_matmuls
 from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls, fairseq_decision
 from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
 from fairseq_pardec.decoding.draft_verify.host_decisions import accept_and_commit, decides_on_host
@@ -38,7 +63,7 @@ from fairseq_pardec.decoding.draft_verify.drafters import pad_drafts
 from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
 from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
-from fairseq_pardec.decoding.step.lean import block_decoder_for
+from fairseq_pardec.decoding.step.factory import block_decoder_for
 from fairseq_pardec.decoding.decode_stats import DecodeStats, PartTimer, StatsGenerator
 
 logger = logging.getLogger(__name__)
@@ -76,12 +101,16 @@ class DraftVerifyGenerator(StatsGenerator):
         if temperature <= 0:
             raise UsageError("--temperature must be greater than 0")
         self.model = models[0]
+        # as fairseq's SequenceGenerator: the model decodes in eval mode (no dropout)
+        self.model.eval()
         self.block_decoder = block_decoder_for(self.model.decoder, lean, fast)
-        # The fast step rounds differently from fairseq: with exact acceptance, close calls
-        # are decided with fairseq's arithmetic (draft_verify/margin_guard.py)
-        from fairseq_pardec.decoding.step.fast import DEFAULT_MARGIN
-
-        self.margin = DEFAULT_MARGIN if margin is None else margin
+        # The margin guard's bound: the step's own (its ``margin``, step/margins.py) unless
+        # given here; a given margin applies to every iteration, plain steps included (tests
+        # hand every decision to fairseq with a wide one)
+        self.margin = margin
+        # reads of the device by the tensor path (``_read``): one per iteration, two where a
+        # close call was replayed
+        self.device_reads = 0
         # with the fast step, the encoder runs on the same kernels (step/fast_encoder.py)
         self.encode = self.model.encoder.forward_torchscript
         if getattr(self.block_decoder, "fast", False) and fast_encoder_supported(self.model.encoder):
@@ -138,8 +167,11 @@ class DraftVerifyGenerator(StatsGenerator):
             return None
         steps = steps()
         at_max_grid = steps >= max_len
+        # on the CPU a read costs nothing and spares the edits where they change nothing; on
+        # a device the edits run unconditionally (they are no-ops there), without a read
+        on_host = lprobs.device.type == "cpu"
         at_max = None
-        if at_max_possible and bool(at_max_grid.any()):
+        if at_max_possible and (not on_host or bool(at_max_grid.any())):
             at_max = layout.pack(at_max_grid)
             eos_lp = lprobs[:, self.eos].clone()
             lprobs.masked_fill_(at_max.unsqueeze(-1), -math.inf)
@@ -157,9 +189,33 @@ class DraftVerifyGenerator(StatsGenerator):
             bar_eos = steps < self.min_len
             if prefix_step is not None:
                 bar_eos &= ~prefix_step
-            if bool(bar_eos.any()):
+            if not on_host or bool(bar_eos.any()):
                 lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(layout.pack(bar_eos), -math.inf)
         return forced
+
+    # ------------------------------------------------------------------ the margin guard
+    def _guard_margin(self) -> Optional[float]:
+        """The margin of this generator's guard; None where no guard runs: relaxed acceptance
+        or sampling (nothing to keep identical), or a step that claims no bound (half
+        precision: not guaranteed)."""
+        if not self.acceptance.lossless or self.sampler is not None:
+            return None
+        return self.margin if self.margin is not None else self.block_decoder.margin
+
+    def _guarded(self) -> bool:
+        """Whether this generator's choices pass the margin guard (the benchmark reports its
+        close calls)."""
+        return self._guard_margin() is not None
+
+    @staticmethod
+    def _iteration_margin(batch: "_Batch") -> Optional[float]:
+        """The margin the guard applies in the current iteration (None: none applies)."""
+        return None if batch.exact_so_far else batch.guard
+
+    def _read(self, t: Tensor) -> Tensor:
+        """The tensor path's one way to the host: a small tensor read from the device."""
+        self.device_reads += 1
+        return t.cpu()
 
     # ------------------------------------------------------------------ main loop
     def _generate(self, sample, prefix_tokens=None, bos_token=None, **unused):
@@ -172,10 +228,10 @@ class DraftVerifyGenerator(StatsGenerator):
             if on_host:
                 done = accept_and_commit(self, batch, block, features, lprobs, sample, bos_token)
             else:
-                n_acc, verifier, before = self._accept(batch, block, lprobs, forced, sample,
-                                                       bos_token)
-                done = self._commit(batch, block, features, lprobs, n_acc, verifier,
-                                    before).tolist()
+                n_acc, verifier, before, outcome = self._accept(batch, block, lprobs, forced,
+                                                                sample, bos_token)
+                done = self._commit(batch, block, features, lprobs, n_acc, verifier, before,
+                                    outcome)
             self._retire(batch, done)
         return batch.finalized
 
@@ -192,9 +248,14 @@ class DraftVerifyGenerator(StatsGenerator):
                              "at most the model's %d) is below --min-len %d; raise --max-len-b"
                              % (self.max_len_a, src_len, self.max_len_b, self.max_len - 1,
                                 self.min_len))
+        guard = self._guard_margin()
+        if self.acceptance.lossless and self.sampler is None:
+            # read at generate time: the setting may change after the generator was built
+            weight = self.model.decoder.embed_tokens.weight
+            refuse_reduced_precision_matmuls(weight.device, weight.dtype)
         encoder_out = self.encode(net_input)
         bos = self.eos if bos_token is None else bos_token
-        batch = _Batch(self, bsz, max_len, bos, encoder_out, prefix_tokens, device)
+        batch = _Batch(self, bsz, max_len, bos, encoder_out, prefix_tokens, device, guard)
         with batch.drafter_timer:
             self.drafter.start(sample, encoder_out, bos)
         return batch
@@ -211,8 +272,7 @@ class DraftVerifyGenerator(StatsGenerator):
         with batch.drafter_timer:
             draft, drafted = self.drafter.propose(batch.rows, batch.tokens, batch.n_out, draft_room)
         q = self.drafter.draft_probs if self.sampler is not None else None
-        draft, draft_len, q = self._force_prefix_draft(draft, drafted, batch.n_out, batch.prefix,
-                                                       room, q)
+        draft, draft_len, q = self._force_prefix_draft(draft, drafted, batch, q)
         if draft.size(1) == 0 and q is None:  # no row drafted: a plain step
             return _Block.last_tokens(batch, self.pad)
         return _Block(batch, draft, draft_len, drafted, q, self.pad)
@@ -227,13 +287,17 @@ class DraftVerifyGenerator(StatsGenerator):
             features = self.block_decoder.forward_packed(block.tokens, batch.n_out, block.layout,
                                                          encoder_out, batch.cache)
             lprobs = self.block_decoder.log_probs(features, self.temperature)
+        if block.width > 0:
+            # cache entries computed at a block's shapes: later plain steps no longer round as
+            # fairseq's own steps do (step/margins.py)
+            batch.exact_so_far = False
         self.stats.decoder_calls += 1
         self.stats.row_iterations += block.rows
         self.stats.positions_verified += lprobs.size(0)
         # the longest row's last block position is the furthest step: no read of the device
         furthest = batch.longest + block.width
         forced = self._adjust(lprobs, lambda: batch.n_out.unsqueeze(1) + block.cols,
-                              block.layout, batch.max_len, batch.prefix,
+                              block.layout, batch.max_len, batch.forcing_prefix(),
                               bar_eos_possible=batch.iteration < self.min_len,
                               at_max_possible=furthest >= batch.max_len)
         batch.iteration += 1
@@ -243,8 +307,9 @@ class DraftVerifyGenerator(StatsGenerator):
         """3. How many draft tokens each row keeps, and the token after them.
 
         Returns the accepted draft lengths (B,), a (B, L) grid whose position ``n_acc`` holds the
-        row's next token (the verifier's own, or speculative sampling's draw), and the cumulative
-        score before each block position were the draft accepted up to it (B, L).
+        row's next token (the verifier's own, or speculative sampling's draw), the cumulative
+        score before each block position were the draft accepted up to it (B, L), and the
+        iteration's :class:`_Outcome` (the one read of the device).
         """
         b, k, ar = block.rows, block.width, block.ar
         n_out, cum_scores, layout = batch.n_out, batch.cum_scores, block.layout
@@ -253,39 +318,61 @@ class DraftVerifyGenerator(StatsGenerator):
         )
         draft_lp = lprobs[block.draft_pos, block.draft].masked_fill(~block.draft_valid, 0.0)
         before = running_scores(prev, draft_lp).to(n_out.device)
+        close = None
         if self.sampler is not None:
             n_acc, verifier = self._speculate(lprobs, forced, block)
         else:
             packed_before = layout.pack(before)
             verifier, top = beam_one_choice(lprobs, packed_before)
-            close = close_calls(top, packed_before, self.margin) if self._guarded() else None
+            margin = self._iteration_margin(batch)
+            if margin is not None:
+                close = close_calls(top, packed_before, margin)
             if forced is not None:
                 verifier = torch.where(forced >= 0, forced, verifier)
                 if close is not None:
                     close &= forced < 0
             verifier = verifier[layout.pos.clamp(min=0)]  # (B, L); garbage at padding
+            if close is not None:
+                close = close[layout.pos.clamp(min=0)] & ~block.pad
             n_acc = self.acceptance.accept(
                 block.draft, block.draft_valid,
                 lprobs if self.acceptance.reads_log_probs else None, verifier[:, :k],
                 positions=block.draft_pos,
             )
-            if close is not None and bool(close.any()):
-                self._decide_close_calls(close[layout.pos.clamp(min=0)] & ~block.pad, n_acc,
-                                         verifier, block.padded_draft, batch, sample, bos_token)
-        return n_acc, verifier, before
+        outcome = self._outcome(block, n_acc, verifier, close)
+        if outcome.first_close is not None and min(outcome.first_close) <= k:
+            self._decide_close_calls(outcome, n_acc, verifier, block.padded_draft, batch, sample,
+                                     bos_token)
+            outcome = self._outcome(block, n_acc, verifier, None)
+        return n_acc, verifier, before, outcome
 
-    def _commit(self, batch: "_Batch", block: "_Block", features, lprobs, n_acc, verifier,
-                before):
-        """4. Append the accepted tokens and the next one (up to the first EOS) with their
-        scores, show them to the drafter, and roll the cache back to the kept positions.
-        Returns the (B,) rows that emitted EOS."""
-        b, k, ar, cols = block.rows, block.width, block.ar, block.cols
+    def _outcome(self, block: "_Block", n_acc: Tensor, verifier: Tensor,
+                 close: Optional[Tensor]) -> "_Outcome":
+        """What the iteration keeps of each row, computed on the device and read in one
+        transfer (:meth:`_read`): the tokens it gains (the accepted drafts and the next token,
+        up to the first EOS), whether it ended, and where its first close call among them is."""
+        k, cols = block.width, block.cols
         new_tokens = torch.where(cols.unsqueeze(0) < n_acc.unsqueeze(1), block.padded_draft,
                                  verifier)
         gained = n_acc + 1
         is_eos = new_tokens.eq(self.eos) & (cols.unsqueeze(0) < gained.unsqueeze(1))
         first_eos = torch.where(is_eos, cols.unsqueeze(0), k + 1).min(dim=1).values
         gained = torch.minimum(gained, first_eos + 1)
+        parts = [gained, (first_eos < k + 1).long(), block.drafted, n_acc]
+        if close is not None:
+            # a close call matters where the iteration uses the decision: the positions kept
+            used = close & (cols.unsqueeze(0) < gained.unsqueeze(1))
+            parts.append(torch.where(used, cols.unsqueeze(0), k + 1).min(dim=1).values)
+        host = self._read(torch.stack(parts)).tolist()
+        return _Outcome(new_tokens, gained, first_eos, *host)
+
+    def _commit(self, batch: "_Batch", block: "_Block", features, lprobs, n_acc, verifier,
+                before, outcome: "_Outcome") -> List[bool]:
+        """4. Append the accepted tokens and the next one (up to the first EOS) with their
+        scores, show them to the drafter, and roll the cache back to the kept positions.
+        Returns, per active row, whether it emitted EOS."""
+        b, k, ar, cols = block.rows, block.width, block.ar, block.cols
+        new_tokens, gained = outcome.new_tokens, outcome.gained
         keep = cols.unsqueeze(0) < gained.unsqueeze(1)
 
         # after the accepted draft tokens, the verifier's own token at position n_acc
@@ -303,17 +390,17 @@ class DraftVerifyGenerator(StatsGenerator):
         with batch.drafter_timer:
             self.drafter.observe(batch.rows, features[block.layout.at(ar, gained - 1)],
                                  gained - 1, new_tokens[ar, gained - 1])
-        # the iteration's one read of the device: what each row gained and whether it ended,
-        # and for the back-off what it drafted and how much of that it kept
-        gained_host, done, drafted_host, accepted_host = torch.stack(
-            [gained, (first_eos < k + 1).long(), block.drafted, n_acc]).cpu()
+        # the host's side, from the iteration's read
+        gained_host = outcome.gained_host
         if batch.backoff is not None:
-            batch.backoff.update(drafted_host, accepted_host)
-        batch.n_out_host += gained_host
-        batch.longest = int(batch.n_out_host.max())
+            batch.backoff.update(torch.tensor(outcome.drafted_host),
+                                 torch.tensor(outcome.accepted_host))
+        n_out_host = batch.n_out_host.numpy()
+        n_out_host += gained_host
+        batch.longest = int(n_out_host.max())
         self.block_decoder.rollback(batch.cache, k + 1, gained,
-                                    keep_range=(int(gained_host.min()), int(gained_host.max())))
-        return done.bool()
+                                    keep_range=(min(gained_host), max(gained_host)))
+        return [bool(ended) for ended in outcome.done_host]
 
     def _retire(self, batch: "_Batch", done: List[bool]):
         """5. Finalize the rows that emitted EOS (``done``, per active row) and drop them."""
@@ -323,36 +410,27 @@ class DraftVerifyGenerator(StatsGenerator):
                 if not ended:
                     alive.append(r)
                     continue
-                batch.finalized[int(batch.rows[r])] = [self._hypothesis(
+                batch.finalized[batch.rows_host[r]] = [self._hypothesis(
                     batch.tokens[r], batch.cum_scores[r], int(batch.n_out_host[r]))]
             batch.keep(torch.tensor(alive, dtype=torch.long))
         self.block_decoder.compact(batch.cache, self.compact_holes)
 
-    def _guarded(self) -> bool:
-        """Whether this generator's choices must equal fairseq's, from a step that rounds
-        differently (the fast step, with exact acceptance)."""
-        return getattr(self.block_decoder, "fast", False) and self.acceptance.lossless
-
-    def _decide_close_calls(self, close, n_acc, verifier, padded_draft, batch, sample, bos_token):
+    def _decide_close_calls(self, outcome: "_Outcome", n_acc, verifier, padded_draft, batch,
+                            sample, bos_token):
         """Rows whose decisions up to their first close call are kept: that position's token is
-        fairseq's own decision, and the row's acceptance ends there (in place: n_acc, verifier).
-
-        close: (B, L) True at block positions whose choice the fast step cannot certify.
-        """
-        b, width = close.shape
-        cols = torch.arange(width, device=close.device)
-        # the positions whose decisions this iteration uses: accepted drafts and the next token,
-        # up to the first EOS among them
-        grid = torch.where(cols.unsqueeze(0) < n_acc.unsqueeze(1), padded_draft, verifier)
-        is_eos = grid.eq(self.eos)
-        first_eos = torch.where(is_eos, cols.unsqueeze(0), width).min(dim=1).values
-        used = cols.unsqueeze(0) <= torch.minimum(n_acc, first_eos).unsqueeze(1)
-        close = close & used
+        fairseq's own decision, and the row's acceptance ends there (in place on the device:
+        ``n_acc``, ``verifier``). ``outcome.first_close``: per row, the first block position
+        whose choice the step cannot certify among those the iteration keeps (beyond the block:
+        none)."""
         src_tokens = sample["net_input"]["src_tokens"]
-        for r in close.any(dim=1).nonzero().view(-1).tolist():
-            at = int(close[r].nonzero()[0])
-            decided = torch.cat([batch.tokens[r, 1: int(batch.n_out_host[r]) + 1], padded_draft[r, :at]])
-            verifier[r, at] = fairseq_decision(self, src_tokens[batch.rows[r]], decided, bos_token)
+        width = verifier.size(1)
+        for r, at in enumerate(outcome.first_close):
+            if at >= width:
+                continue
+            n_out = int(batch.n_out_host[r])
+            decided = torch.cat([batch.tokens[r, 1: n_out + 1], padded_draft[r, :at]])
+            verifier[r, at] = fairseq_decision(self, src_tokens[batch.rows_host[r]], decided,
+                                               bos_token)
             n_acc[r] = at
             self.stats.close_calls += 1
 
@@ -364,10 +442,9 @@ class DraftVerifyGenerator(StatsGenerator):
         """
         probs = self.sampler.filter.probs(lprobs)  # (N, V): fairseq's sampling distribution
         if forced is not None:  # --prefix-size: the forced token has probability 1
-            at = (forced >= 0).nonzero().view(-1)
-            if at.numel():
-                probs[at] = 0.0
-                probs[at, forced[at]] = 1.0
+            is_forced = forced >= 0
+            one_hot = torch.zeros_like(probs).scatter_(1, forced.clamp(min=0).unsqueeze(1), 1.0)
+            probs = torch.where(is_forced.unsqueeze(1), one_hot, probs)
         ar, layout, q, padded_draft = block.ar, block.layout, block.q, block.padded_draft
         n_acc = self.sampler.accept(block.draft, block.draft_valid,
                                     probs[block.draft_pos, block.draft], q)
@@ -382,21 +459,25 @@ class DraftVerifyGenerator(StatsGenerator):
         grid[ar, n_acc] = own
         return n_acc, grid
 
-    def _force_prefix_draft(self, draft, draft_len, n_out, prefix, room, q=None):
+    def _force_prefix_draft(self, draft, draft_len, batch: "_Batch", q=None):
         """Rows still inside their --prefix-size prefix draft the prefix itself (a
-        deterministic draft: with --sampling their q becomes one-hot)."""
+        deterministic draft: with --sampling their q becomes one-hot). Which rows are inside is
+        known on the host; only an iteration with such a row reads the drafts."""
+        prefix = batch.prefix_host
         if prefix is None or prefix.size(1) == 0:
             return draft, draft_len, q
+        n_out = batch.n_out_host
         remaining = (prefix.size(1) - n_out).clamp(min=0)
         if not bool((remaining > 0).any()):
             return draft, draft_len, q
         rows_in = (remaining > 0).nonzero().view(-1).tolist()
+        room = (batch.max_len - n_out).tolist()
         drafts = []
         for r in range(draft.size(0)):
             if r in rows_in:
                 start = int(n_out[r])
                 forced = [t for t in prefix[r, start:].tolist() if t != self.pad]
-                drafts.append(forced[: int(room[r])])
+                drafts.append(forced[: room[r]])
             else:
                 drafts.append(draft[r, : int(draft_len[r])].tolist())
         new_draft, new_len = pad_drafts(drafts, self.pad, draft.device)
@@ -433,11 +514,18 @@ class _Batch:
     steps of an iteration read and write, reordered together when rows finish."""
 
     def __init__(self, generator: DraftVerifyGenerator, bsz: int, max_len: int, bos: int,
-                 encoder_out, prefix: Optional[Tensor], device):
+                 encoder_out, prefix: Optional[Tensor], device, guard: Optional[float] = None):
         self.generator = generator
         self.max_len = max_len
         self.prefix = prefix  # (B, P) forced prefix tokens, pad = not forced; or None
+        # the same on the host (read once per batch: rows inside it draft it)
+        self.prefix_host = prefix.cpu() if prefix is not None and prefix.size(1) else None
         self.rows = torch.arange(bsz, device=device)  # active row -> row of the batch
+        self.rows_host = list(range(bsz))
+        # the margin guard: its margin (None: no guard), and whether every step so far ran one
+        # position per row on a step that then rounds as fairseq does (no guard needed yet)
+        self.guard = guard
+        self.exact_so_far = generator.margin is None and generator.block_decoder.one_position_exact
         # the encoder's output for the batch's rows; for the active rows it is reordered when
         # read (``encoder_out``): the fast step reads it once, when the batch starts
         self._encoder_out_all = encoder_out
@@ -471,17 +559,28 @@ class _Batch:
         """Keep the active rows ``alive`` (indices into the active rows, on the host), in that
         order."""
         self.n_out_host = self.n_out_host[alive]
-        self.prev_score = [self.prev_score[i] for i in alive.tolist()]
+        order = alive.tolist()
+        self.prev_score = [self.prev_score[i] for i in order]
+        self.rows_host = [self.rows_host[i] for i in order]
         self.longest = int(self.n_out_host.max()) if alive.numel() else 0
+        if self.prefix_host is not None:
+            self.prefix_host = self.prefix_host[alive]
+        if self.backoff is not None:
+            self.backoff.keep(alive)
         alive = alive.to(self.rows.device)
         self.rows, self.tokens = self.rows[alive], self.tokens[alive]
         self.cum_scores, self.n_out = self.cum_scores[alive], self.n_out[alive]
         if self.prefix is not None:
             self.prefix = self.prefix[alive]
-        if self.backoff is not None:
-            self.backoff.keep(alive)
         if alive.numel() > 0:
             self.generator.block_decoder.reorder(self.cache, alive)
+
+    def forcing_prefix(self) -> Optional[Tensor]:
+        """The forced prefixes while some row's next step lies inside them (known on the
+        host), else None: past every prefix fairseq forces nothing and bars no EOS for it."""
+        if self.prefix_host is None or int(self.n_out_host.min()) >= self.prefix_host.size(1):
+            return None
+        return self.prefix
 
     def uniform_gains(self, count: int) -> Tensor:
         """(B,) ``count`` for every active row, kept per row count and count (each iteration
@@ -502,6 +601,20 @@ class _Batch:
                 self._encoder_out_all, self.rows)
             self._encoder_out = (self.rows, encoder_out)
         return encoder_out
+
+
+class _Outcome:
+    """What one iteration keeps of each row: on the device, the (B, L) token grid and the (B,)
+    gains and first EOS columns; on the host, from the iteration's one read, the gains, whether
+    each row ended, what it drafted and accepted, and its first close call (None: no guard)."""
+
+    def __init__(self, new_tokens: Tensor, gained: Tensor, first_eos: Tensor,
+                 gained_host: List[int], done_host: List[int], drafted_host: List[int],
+                 accepted_host: List[int], first_close: Optional[List[int]] = None):
+        self.new_tokens, self.gained, self.first_eos = new_tokens, gained, first_eos
+        self.gained_host, self.done_host = gained_host, done_host
+        self.drafted_host, self.accepted_host = drafted_host, accepted_host
+        self.first_close = first_close
 
 
 class _Block:

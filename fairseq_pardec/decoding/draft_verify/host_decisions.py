@@ -11,8 +11,9 @@ decides, number for number:
 * fairseq's beam-1 choice (fairseq_rules.beam_one_choice): the best token, unless adding the
   hypothesis score ties the best two, where the row's own ``topk`` is redone as fairseq does it;
 * the cumulative scores, rounded to float32 after every addition (fairseq_rules.running_scores);
-* the margin guard (margin_guard.close_calls): where the fast step's choice is not certain,
-  fairseq's own decision, and the row's acceptance ends there;
+* the margin guard (margin_guard.close_calls), with the step's declared margin wherever it may
+  round otherwise than fairseq: where its choice is not certain, fairseq's own decision, and
+  the row's acceptance ends there;
 * exact acceptance: the longest draft prefix equal to the verifier's tokens, then the verifier's
   token, up to the first EOS.
 
@@ -75,8 +76,9 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
         drafts, lengths = block.draft.tolist(), block.draft_len.tolist()
         pos = block.layout.pos.tolist()
     n_out = batch.n_out_host.tolist()
-    guarded = generator._guarded()
-    twice_margin = 2 * generator.margin
+    margin = generator._iteration_margin(batch)
+    guarded = margin is not None
+    twice_margin = 2 * margin if guarded else 0.0
     eos = generator.eos
     rows, cols, tokens, scores = [], [], [], []
     n_acc, gained, done, last_pos, last_token = [], [], [], [], []
@@ -96,9 +98,9 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
                                      block.draft[r, :j]])
                 # fairseq's score of the decided tokens differs from the fast step's by at
                 # most a margin per token
-                bound = abs(float(score)) + (n_out[r] + j + 1) * generator.margin
+                bound = abs(float(score)) + (n_out[r] + j + 1) * margin
                 token = fairseq_decision(generator, sample["net_input"]["src_tokens"][
-                    batch.rows[r]], decided, bos_token, score_bound=bound)
+                    batch.rows_host[r]], decided, bos_token, score_bound=bound)
                 lp = float(lprobs[at, token])
                 generator.stats.close_calls += 1
             score = _f32(score + _f32(lp))

@@ -1,14 +1,15 @@
-"""The margin guard: where the fast step's choice of token is certain, and fairseq's where not.
+"""The margin guard: where a decoder step's choice of token is certain, and fairseq's where not.
 
-The fast decoder step (step/fast.py) rounds differently from fairseq's op order: its
-log-probabilities are within ``margin`` of fairseq's (a bound measured with a wide safety factor,
-fast_step.DEFAULT_MARGIN). fairseq's beam-1 search continues with the first of
-``topk(cumulative score + log-probs, 2)``. Where the fast step's best candidate leads its runner-up
-by more than twice the margin plus the rounding of adding the score, fairseq's search takes the
-same token whatever the rounding: the fast choice is certain. At the rare closer positions the
-engine asks :func:`fairseq_decision`, which runs fairseq's own ``SequenceGenerator`` over the
-sentence with the tokens decided so far forced as a prefix: the decision of fairseq's arithmetic,
-as ``fairseq-generate --batch-size 1`` makes it.
+A decoder step that computes fairseq's function in another order or at other shapes (a verified
+block of several positions, fused products, another kernel for the vocabulary projection, on the
+CPU or on CUDA) rounds otherwise than fairseq's one-position steps: its log-probabilities are
+within its declared ``margin`` of fairseq's (step/margins.py). fairseq's beam-1 search continues
+with the first of ``topk(cumulative score + log-probs, 2)``. Where the step's best candidate leads
+its runner-up by more than twice the margin plus the rounding of adding the score, fairseq's
+search takes the same token whatever the rounding: the step's choice is certain. At the rare
+closer positions the engine asks :func:`fairseq_decision`, which replays fairseq's own
+arithmetic over the sentence, at batch 1 on the model's device, with the tokens decided so far
+forced as a prefix: the decision ``fairseq-generate --batch-size 1`` makes.
 """
 
 import math
@@ -51,8 +52,12 @@ def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
             has one (the fast step's score plus P margins); it spares the replay the prefix's
             features.
     """
-    src = src_tokens[src_tokens.ne(generator.src_pad)].unsqueeze(0)
-    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([src.size(1)])}}
+    # on the model's device, as fairseq-generate moves its batch there
+    device = next(generator.model.parameters()).device
+    src = src_tokens[src_tokens.ne(generator.src_pad)].unsqueeze(0).to(device)
+    decided = decided.to(device)
+    sample = {"net_input": {"src_tokens": src,
+                            "src_lengths": torch.tensor([src.size(1)], device=device)}}
     replayed = _replayed_decision(generator, sample, decided, bos_token, score_bound)
     if replayed is not None:
         return replayed
@@ -101,10 +106,11 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     # SequenceGenerator's length limit for this search: step `steps` must lie below it
     if not _REPLAY or not lean_supported(decoder) or steps + 1 > generator.max_len - 1:
         return None
+    device = sample["net_input"]["src_tokens"].device
     encoder_out = model.encoder.forward_torchscript(sample["net_input"])
     step = LeanBlockDecoder(decoder)
     cache = step.new_state()
-    one = BlockLayout(torch.zeros(1, 1, dtype=torch.bool))
+    one = BlockLayout(torch.zeros(1, 1, dtype=torch.bool, device=device), dense=True)
     tokens = [generator.eos if bos_token is None else bos_token] + decided.tolist()
 
     def log_probs(features: Tensor) -> Tensor:
@@ -118,8 +124,8 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     # with a bound on the prefix's score, the prefix steps only fill the cache
     prefix = []
     for t in range(steps + 1):
-        features = step.forward_packed(torch.tensor([[tokens[t]]]), torch.tensor([t]), one,
-                                       encoder_out, cache,
+        features = step.forward_packed(torch.tensor([[tokens[t]]], device=device),
+                                       torch.tensor([t], device=device), one, encoder_out, cache,
                                        cache_only=t < steps and score_bound is not None)
         if t < steps and score_bound is None:
             prefix.append(features)
@@ -134,7 +140,7 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     # position); the exact score, one output layer per position as fairseq computes it, only
     # where needed.
     if score_bound is None:
-        tokens_after = torch.tensor(tokens[1:]).unsqueeze(1)
+        tokens_after = torch.tensor(tokens[1:], device=device).unsqueeze(1)
         rough = log_probs(torch.cat(prefix)).gather(1, tokens_after).sum().abs().item()
         score_bound = rough + 1e-3 * (steps + 1)
     top = lprobs.topk(2, dim=-1).values[0].tolist()

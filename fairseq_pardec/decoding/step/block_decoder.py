@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_pardec.errors import UsageError
+from fairseq_pardec.decoding.step.margins import rounding_margin
 from fairseq_pardec.models.decoder_inputs import embed_at, encoder_states, final_features
 
 from fairseq.models.transformer import TransformerDecoderBase
@@ -88,6 +89,18 @@ class BlockDecoder:
         self.decoder = decoder
         self.padding_idx = decoder.padding_idx
         self.self_attns = [layer.self_attn for layer in decoder.layers]
+
+    # A plain greedy step (one position per row, on a cache that only such steps filled) runs
+    # fairseq's own modules on fairseq's shapes: it rounds exactly as fairseq does
+    # (step/margins.py). A block of several positions does not: other product shapes.
+    one_position_exact = True
+
+    @property
+    def margin(self) -> Optional[float]:
+        """A bound on |this step's log-probability - fairseq's| (step/margins.py); None where
+        no bound is claimed (half precision)."""
+        weight = self.decoder.embed_tokens.weight
+        return rounding_margin(weight.device, weight.dtype)
 
     def new_state(self) -> IncrementalState:
         """An empty decoder state for one batch (fairseq's incremental-state dictionary)."""
