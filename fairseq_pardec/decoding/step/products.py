@@ -219,7 +219,8 @@ class KernelChoice:
         anyone comparing the kernels)."""
         if kernel not in KERNELS:
             raise ValueError("unknown product kernel %r (one of %s)" % (kernel, ", ".join(KERNELS)))
-        self._chosen = _Chosen(None, None, (kernel,) * len(_PROBE_ROWS), True)
+        with self._choosing:  # after a measurement in flight, not overwritten by it
+            self._chosen = _Chosen(None, None, (kernel,) * len(_PROBE_ROWS), True)
 
     def measure(self, chain: List[List[Linear]], between: Optional[Callable[[int], object]] = None,
                 rounds: int = 5, calls: int = 3, warmup: int = 2):
