@@ -156,6 +156,10 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tenso
     return torch.matmul(weights.softmax(dim=-1), v)
 
 
+# what a batch's logits run when the decoder's own output layer must (not a plain projection)
+_OWN_OUTPUT_LAYER = object()
+
+
 class _Weights:
     """The weights in the fast layouts, built together and never changed afterwards: the
     layers, their native call (or None), the output projection (or None: the decoder's own
@@ -290,8 +294,10 @@ class FastBlockDecoder(LeanBlockDecoder):
         thread = self._thread
         # the projection this thread's batch started with (weights do not change within one)
         vocab = getattr(thread, "vocab", None)
-        if vocab is None:
+        if vocab is None:  # no batch started in this thread
             vocab = self._prepared().vocab
+        elif vocab is _OWN_OUTPUT_LAYER:
+            vocab = None
         if vocab is None or features.dim() != 2 or features.dtype != torch.float32:
             thread.projected_by = None
             return super().logits(features)
@@ -403,7 +409,7 @@ class FastBlockDecoder(LeanBlockDecoder):
             self._start(cache, encoder_out, bsz, tokens.device, dec.embed_tokens.weight.dtype)
         # the weights are checked once per batch, when it starts
         weights = cache.weights
-        self._thread.vocab = weights.vocab
+        self._thread.vocab = _OWN_OUTPUT_LAYER if weights.vocab is None else weights.vocab
         layers = weights.layers
         first = cache.length
         total = first + length
