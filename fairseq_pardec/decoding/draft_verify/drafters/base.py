@@ -60,8 +60,6 @@ class AdaptiveCaps:
     def __init__(self, rows: int, initial: float, device, history: "AcceptanceHistory" = None):
         self.on_host = torch.device(device).type == "cpu"
         self.history = history
-        self.prior_accepted, self.prior_rejected = (
-            (self.PRIOR_ACCEPTED, self.PRIOR_REJECTED) if history is None else history.prior())
         if self.on_host:
             self.mean = [float(initial)] * rows
             self.accepted = [0.0] * rows
@@ -90,8 +88,13 @@ class AdaptiveCaps:
     def acceptance_rate(self, row: int) -> float:
         """The row's estimated probability that a draft token is accepted, given the ones
         before it were (CPU only)."""
-        accepted = self.accepted[row] + self.prior_accepted
-        return accepted / (accepted + self.rejected[row] + self.prior_rejected)
+        if self.history is None:
+            prior_accepted, prior_rejected = self.PRIOR_ACCEPTED, self.PRIOR_REJECTED
+        else:  # the drafter's rate so far, the rows of this batch included
+            prior_accepted = self.history.rate()
+            prior_rejected = 1.0 - prior_accepted
+        accepted = self.accepted[row] + prior_accepted
+        return accepted / (accepted + self.rejected[row] + prior_rejected)
 
     def priced_caps(self, rows: List[int], value: float, position: float, drafting_row: float,
                     limits: List[int]) -> List[int]:
@@ -155,8 +158,9 @@ class AdaptiveCaps:
 
 class AcceptanceHistory:
     """A drafter's per-position acceptance over all the rows it drafted for, across batches
-    (earlier drafts weighted down by DECAY per draft): the prior of each fresh row's estimate
-    (AdaptiveCaps), with the weight of one draft. Starts at AdaptiveCaps' prior."""
+    (earlier drafts weighted down by DECAY per draft): the prior of every row's estimate
+    (AdaptiveCaps), with the weight of one draft, as it stands now: once a few rows' drafts
+    fail, the others stop trying too. Starts at AdaptiveCaps' prior."""
 
     DECAY = 0.98
 
@@ -165,10 +169,6 @@ class AcceptanceHistory:
 
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
-
-    def prior(self):
-        rate = self.rate()
-        return rate, 1.0 - rate
 
     def update(self, kept: float, rejected: bool):
         self.accepted = self.DECAY * self.accepted + kept
