@@ -247,10 +247,10 @@ class TranslationPardecTask(TranslationTask):
                      prefix_allowed_tokens_fn) -> str:
         """``--generator auto`` (the default): the lossless draft-and-verify ``auto`` wherever it
         gives what was asked for; fairseq's own search (``beam``) for what only that gives (a
-        typed --beam N > 1, --nbest, --score-reference, a caller's generator class, options of
-        fairseq's search), which for ibdecoder models is the interleaved search."""
+        typed --beam N > 1, --nbest, --score-reference, a caller's generator class, an ensemble,
+        options of fairseq's search), which for ibdecoder models is the interleaved search."""
         if (seq_gen_cls is not None or getattr(args, "score_reference", False)
-                or (models and hasattr(models[0], "words_per_step"))):
+                or len(models) != 1 or hasattr(models[0], "words_per_step")):
             return "beam"
         try:
             refuse("auto", self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
