@@ -2,6 +2,7 @@
 with every generator, what not to use, and examples/decode-sharded.sh."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -84,11 +85,21 @@ def generator_flags(name, ckpts):
         "blockwise": [ckpts["blockwise"], "--generator", "blockwise"],
         "gad": [stock, "--generator", "gad", "--drafter-path", ckpts["drafter"], "--block-size", 4],
         "interleaved": [ckpts["ibdecoder"], "--generator", "interleaved", "--beam", 4],
+        "auto": [stock, "--generator", "auto", "--draft-corpus", ckpts["corpus"],
+                 "--drafter-path", ckpts["drafter"]],
     }[name]
 
 
 GENERATOR_NAMES = ["beam", "greedy", "lean_greedy", "iad", "lookup", "blockwise", "gad",
-                   "interleaved"]
+                   "interleaved", "auto"]
+# fairseq's own search: a shard runs the very products the unsharded run ran on those batches
+SAME_COMPUTATION = ("beam", "greedy")
+# The H- score is the length-normalised sum of the token log-probabilities (over ln 2). A
+# drafting generator may verify other blocks in another process (its drafts are priced from
+# timings), so its products have other shapes and round otherwise: each token's log-probability
+# stays within the margin guard's bound of fairseq's (step/fast.py, DEFAULT_MARGIN = 5e-4) in
+# both runs, so the averages differ by at most twice that, / ln 2.
+SCORE_TOLERANCE = 2 * 5e-4 / math.log(2)
 
 
 def shards(world, *flags):
@@ -161,8 +172,13 @@ def test_shards_decode_every_sentence_once_as_unsharded(sharded_runs, name):
     ids = [i for i, _ in got]
     assert len(ids) == len(set(ids)) == N_TEST  # exactly once: nothing twice, nothing dropped
     assert all(h_lines(part) for part in parts)  # both shards did work
-    # whole lines, scores included: same batches, same computation
-    assert sorted(got) == sorted(want)
+    if name in SAME_COMPUTATION:  # whole lines, scores to the last digit
+        assert sorted(got) == sorted(want)
+    # the same hypotheses, and their scores within the rounding of other block shapes
+    got, want = (dict((i, line.split("\t", 2)[1:]) for i, line in lines) for lines in (got, want))
+    assert {i: text for i, (_, text) in got.items()} == {i: text for i, (_, text) in want.items()}
+    for i, (score, _) in got.items():
+        assert abs(float(score) - float(want[i][0])) <= SCORE_TOLERANCE, (i, score, want[i][0])
 
 
 def test_three_shards_and_the_fill_slot(sharded_runs):
