@@ -70,7 +70,12 @@ logger = logging.getLogger(__name__)
 
 
 class DraftVerifyGenerator(StatsGenerator):
-    """Batched, KV-cached draft-and-verify decoding with one verifier model."""
+    """Batched, KV-cached draft-and-verify decoding with one verifier model.
+
+    ``margin``: the margin guard's bound, by default the decoder step's own (its ``margin``);
+    a given one applies to every iteration, plain steps included (tests give a wide one to hand
+    every decision to fairseq, or 0 to see a step's own choices).
+    """
 
     def __init__(
         self,

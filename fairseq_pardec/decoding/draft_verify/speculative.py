@@ -120,7 +120,9 @@ class SpeculativeSampler:
             q_next: (B, V) the drafter's distribution there, or None (one-hot drafts).
         """
         dist = p_next
-        if bool(rejected.any()):
+        # on the CPU a read is free and spares the residual where no row was rejected; on a
+        # device the residual is computed regardless (where() keeps p for accepted rows)
+        if p_next.device.type != "cpu" or bool(rejected.any()):
             if q_next is None:
                 residual = p_next.scatter(1, draft_at.unsqueeze(1), 0.0)
             else:
