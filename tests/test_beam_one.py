@@ -120,8 +120,11 @@ def test_margin_guard_decides_twin_ties():
     got = generator.generate([model], sample)
     assert model.closest_lead() > STATE_LEAD  # every CPU picks the same table rows
     assert by_id(sample, got) == by_id(sample, expected)
-    # every token but EOS has a twin 2**-21 below or above it
-    assert generator.stats.close_calls >= generator.stats.target_tokens - len(got)
+    # every token past the specials has a twin 2**-21 below or above it (a special one, say BOS,
+    # can top the table's row without one, and then nothing is close)
+    twinned = sum(int((h[0]["tokens"] >= d.nspecial).sum()) for h in got)
+    assert twinned > 0
+    assert generator.stats.close_calls >= twinned
 
 
 def _exact_ties(bsz, vocab, device, seed):
