@@ -5,8 +5,10 @@
 * the lean step (step/lean.py) elsewhere: fairseq's operations in fairseq's order;
 * fairseq's own modules (step/block_decoder.py) for layers the lean step does not reproduce.
 
-The three others compute fairseq's function rounded differently and declare a margin (the
-engine's guard decides the close calls); the lean step and the modules round as fairseq does.
+Every step declares how it rounds (step/margins.py): the static and fast steps round otherwise
+than fairseq everywhere; the lean step (on CUDA, or with the model's own output layer) and the
+modules round as fairseq does only one position per row, since a block multiplies matrices of
+other shapes. The engine's guard decides the close calls wherever a margin applies.
 """
 
 import logging
