@@ -27,7 +27,6 @@ from fairseq_pardec.decoding.draft_verify.drafters import (
     Drafter,
     HeadsDrafter,
     LookupDrafter,
-    MeasuredPrices,
     NARDrafter,
     NgramTable,
     NoDrafter,
@@ -62,11 +61,13 @@ class GeneratorSpec:
 
 def build_iad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     """Input-guided aggressive decoding: copy drafts, exact verification."""
-    # --block-size is the user's fixed cap; by default each row's cap follows its acceptance,
-    # and a row drafts only what pays at the prices measured as it decodes (pricing.py)
+    # --block-size is the user's fixed cap; by default each row's cap follows its acceptance.
+    # No measured prices here: on a UA-GEC model they cut iad's tokens per iteration at batch 1
+    # from 1.65 to 1.03 and its speed against lean_greedy (docs/results.md, "Priced drafts");
+    # auto decides by them
     drafter = CopyDrafter(
         task.source_dictionary, task.target_dictionary, block_size=task.cfg.block_size,
-        adaptive=task.cfg.block_size is None, prices=MeasuredPrices(),
+        adaptive=task.cfg.block_size is None,
     )
     return build_draft_verify(task, models, args, drafter, ExactAcceptance(), "iad",
                               extra_gen_cls_kwargs=extra_gen_cls_kwargs)
@@ -79,7 +80,7 @@ def build_lookup(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     dictionary = task.target_dictionary
     table = NgramTable.from_file(cfg.draft_corpus, dictionary) if cfg.draft_corpus else None
     drafter = LookupDrafter(task.source_dictionary, dictionary, table, block_size=cfg.block_size,
-                            adaptive=cfg.block_size is None, prices=MeasuredPrices())
+                            adaptive=cfg.block_size is None)
     rule = TopBetaTauAcceptance(cfg.gad_beta, cfg.gad_tau)
     return build_draft_verify(task, models, args, drafter, rule, "lookup",
                               extra_gen_cls_kwargs=extra_gen_cls_kwargs)
