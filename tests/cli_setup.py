@@ -1,5 +1,5 @@
 """What the command-line tests share: the tiny data set, the checkpoints trained on it with the
-stock fairseq-train (session fixtures, registered once in conftest.py so that every module gets
+stock fairseq-train (fixtures of the widest pytest scope, registered once in conftest.py so that every module gets
 the same ones: a fixture imported into a test module would be built again for that module), and
 how a command is run."""
 

@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from helpers import collate, make_dictionary, make_task, tiny_transformer  # noqa: E402
-# the command-line tests' session fixtures, defined once for every module that uses them
+# the command-line tests' fixtures: built once per test run, defined once for every module that uses them
 from cli_setup import (  # noqa: E402,F401
     blockwise_checkpoint, cli_data, drafter_checkpoint, ibdecoder_checkpoint, stock_checkpoint,
 )

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from forked_cli import run_module
-from test_cli import PLUGIN  # cli_data: a session fixture of conftest.py
+from test_cli import PLUGIN  # cli_data: a fixture of conftest.py, built once per test run
 
 SIZES = (
     "--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 --decoder-embed-dim 32 "
