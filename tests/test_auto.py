@@ -10,8 +10,8 @@ import torch
 from fairseq_pardec.decoding.draft_verify.drafters import (AutoDrafter, CopyDrafter, FixedPrices,
                                                           HeadsDrafter, LookupDrafter,
                                                           MeasuredPrices, NARDrafter, NoDrafter)
-from fairseq_pardec.decoding.draft_verify.drafters.pricing import (IterationClock, draft_gain,
-                                                                  paying_length)
+from fairseq_pardec.decoding.draft_verify.drafters.pricing import (CPU_PRICES, IterationClock,
+                                                                  draft_gain, paying_length)
 from fairseq_pardec.decoding.registry import SPECS, DraftVerifyGenerator, ExactAcceptance
 
 from helpers import (by_id, fairseq_greedy, make_dictionary, make_task, pooled, random_batch,
@@ -75,7 +75,13 @@ def test_never_copying_model_costs_a_greedy_step(batch_size):
               for name, drafter in (
                   ("iad", CopyDrafter(d, d, adaptive=True, prices=FixedPrices(**PRICES))),
                   ("lookup", LookupDrafter(d, d, adaptive=True, prices=FixedPrices(**PRICES))))}
-    generators = dict(priced, auto=auto, lean=lean)
+    # iad and lookup as the command line builds them: adaptive caps at the CPU's prices, and
+    # the engine's back-off
+    command_line = {name: DraftVerifyGenerator([model], d, drafter, ExactAcceptance(),
+                                               max_len_a=1.2, max_len_b=10)
+                    for name, drafter in (("iad (cli)", CopyDrafter(d, d, adaptive=True)),
+                                          ("lookup (cli)", LookupDrafter(d, d, adaptive=True)))}
+    generators = dict(priced, **command_line, auto=auto, lean=lean)
     # what the drafters learn costs positions once, at the start: 16 sentences at batch 1, 64
     # at 8 and 64 rows, where a batch's rows try their first drafts at once
     for seed in range(max(1, (16 if batch_size == 1 else 64) // batch_size)):
@@ -89,6 +95,36 @@ def test_never_copying_model_costs_a_greedy_step(batch_size):
     assert cost["lean"] == 1.0
     assert cost["auto"] <= 1.05 * cost["lean"]
     assert cost["iad"] <= 1.05 * cost["lean"] and cost["lookup"] <= 1.05 * cost["lean"]
+    assert cost["iad (cli)"] <= 1.05 * cost["lean"]
+    assert cost["lookup (cli)"] <= 1.05 * cost["lean"]
+
+
+@pytest.mark.parametrize("name", ["iad", "lookup", "auto"])
+def test_a_drafter_that_drafts_nothing_is_not_asked(name):
+    """At the CPU's prices no draft position pays from 8 active rows on: a batch of 32 decodes
+    by plain steps without asking the drafter, once per count of active rows (which falls as
+    rows finish), and then drafts for the rows left; the output is fairseq's."""
+    d = make_dictionary(50)
+    model = tiny_transformer(make_task(d), seed=2)
+    drafter = {"iad": CopyDrafter(d, d, adaptive=True),
+               "lookup": LookupDrafter(d, d, adaptive=True),
+               "auto": AutoDrafter(d, d, prices=CPU_PRICES)}[name]
+    asked = []
+    propose = drafter.propose
+
+    def counting(rows, *args):
+        asked.append(rows.numel())
+        return propose(rows, *args)
+
+    drafter.propose = counting
+    generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), max_len_a=1.2,
+                                     max_len_b=10, backoff=name != "auto")
+    sample = random_batch(d, [10 + (i * 7) % 25 for i in range(32)], seed=3)
+    expected = fairseq_greedy(model, d, sample, max_len_a=1.2, max_len_b=10)
+    assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
+    full = [rows for rows in asked if rows >= 8]
+    assert full and len(full) == len(set(full))
+    assert generator.stats.decoder_calls > len(asked)
 
 
 @pytest.mark.trains

@@ -17,21 +17,23 @@ def test_backoff_schedule():
     an accepted draft ends the back-off."""
     backoff = DraftBackoff(1)
     room = torch.tensor([10])
-    one, none = torch.tensor([3]), torch.tensor([0])
     drafted_at = []
     for iteration in range(60):
-        allowed = int(backoff.room(room))
+        allowed = int(backoff.room(room, iteration))
         drafted_at.append(allowed)
-        backoff.update(torch.tensor([min(allowed, 3)]), none)
+        backoff.update([min(allowed, 3)], [0], iteration)
     tries = [i for i, allowed in enumerate(drafted_at) if allowed > 0]
     gaps = [b - a - 1 for a, b in zip(tries, tries[1:])]
     assert gaps[:7] == [0, 1, 2, 4, 8, 16, 16]
     assert drafted_at[:2] == [10, 10] and all(a <= DraftBackoff.PROBE for a in drafted_at[2:])
-    backoff.update(torch.tensor([0]), none)  # waiting rows that draft nothing only count down
-    while int(backoff.room(room)) == 0:
-        backoff.update(torch.tensor([0]), none)
-    backoff.update(one, one)  # a probe is accepted: full drafts again
-    assert int(backoff.room(room)) == 10
+    # a waiting row's wait ends at an iteration: the iterations between need no update
+    iteration = 60
+    assert backoff.waiting(iteration)
+    while int(backoff.room(room, iteration)) == 0:
+        iteration += 1
+    assert not backoff.waiting(iteration)
+    backoff.update([1], [1], iteration)  # a probe is accepted: full drafts again
+    assert int(backoff.room(room, iteration + 1)) == 10
 
 
 @pytest.mark.parametrize("batch_size", [1, 32])
@@ -47,7 +49,7 @@ def test_model_that_never_copies_costs_about_a_greedy_step(batch_size):
     for backoff, paying in ((False, False), (True, False), (False, True), (True, True)):
         drafter = CopyDrafter(d, d, adaptive=True)
         if not paying:  # the caps follow acceptance only (no price of a position on the CPU)
-            drafter.CPU_FIXED = None
+            drafter.CPU_PRICES = None
         generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(),
                                          max_len_a=1.2, max_len_b=10, backoff=backoff)
         assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)

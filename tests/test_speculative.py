@@ -27,7 +27,7 @@ def drafting_copier(d):
     """iad's adaptive drafter without the CPU's price of a draft position: these cases test
     the acceptance of drafts, so every draft the caps allow is made."""
     drafter = CopyDrafter(d, d, adaptive=True)
-    drafter.CPU_FIXED = None
+    drafter.CPU_PRICES = None
     return drafter
 
 

@@ -32,7 +32,7 @@ from fairseq_pardec.decoding.draft_verify.drafters import (
     NoDrafter,
 )
 from fairseq_pardec.decoding.draft_verify.drafters.loading import load_drafter
-from fairseq_pardec.decoding.draft_verify.drafters.pricing import FixedPrices
+from fairseq_pardec.decoding.draft_verify.drafters.pricing import CPU_PRICES
 from fairseq_pardec.decoding.draft_verify.engine import DraftVerifyGenerator, build_draft_verify
 from fairseq_pardec.decoding.fairseq_baselines import (
     CountingSequenceGenerator,
@@ -183,13 +183,14 @@ def build_auto(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
         kind = "blockwise"
         model = HeadsDrafter(decoder, dictionary.pad(), decoder.proposal_heads, adaptive=False,
                              dictionary=dictionary, draft_vocab=cfg.draft_vocab)
-    # On the CPU the fixed prices (a position pays where its acceptance reaches R / (R + 2))
-    # decide: on a UA-GEC model the prices measured from the iterations made auto draft on 7% of
-    # its row-iterations at batch 1 and ran at 0.79 of the best single generator, the fixed ones
-    # at 0.97 (docs/results.md, "Priced drafts"). Elsewhere the prices are measured.
+    # On the CPU the CPU's fixed prices decide (pricing.CPU_PRICES: no draft pays from 8
+    # active rows on): on a UA-GEC model the prices measured from the iterations made auto
+    # draft on 7% of its row-iterations at batch 1 and ran at 0.79 of the best single
+    # generator, fixed ones at 0.97 (docs/results.md, "Priced drafts"). Elsewhere the prices
+    # are measured.
     on_cpu = next(models[0].parameters()).device.type == "cpu"
     auto = AutoDrafter(task.source_dictionary, dictionary, table, model=model, model_kind=kind,
-                       prices=FixedPrices() if on_cpu else None)
+                       prices=CPU_PRICES if on_cpu else None)
     generator = build_draft_verify(task, models, args, auto, ExactAcceptance(), "auto",
                                    extra_gen_cls_kwargs=extra_gen_cls_kwargs)
     # the prices decide when a row drafts and probes: no back-off besides them

@@ -16,6 +16,8 @@ Over ``n`` tokens of a row that never copies, drafting iterations grow as ``log2
 and when it probes, per drafter (drafters/auto.py).
 """
 
+from typing import List
+
 import torch
 from torch import Tensor
 
@@ -23,8 +25,8 @@ from torch import Tensor
 class DraftBackoff:
     """The back-off state of one batch's rows (one object per ``generate`` call): a few
     integers per row, on the host, where the engine reads each iteration's outcome anyway;
-    updating them in Python costs less than the tensor operations it would take. Tensors in and
-    out are on the CPU."""
+    updating them in Python costs less than the tensor operations it would take. A row's wait
+    is kept as the iteration it ends at, so that iterations without drafts cost it nothing."""
 
     TOLERATED = 1  # consecutive rejected drafts before the row backs off
     LONGEST_WAIT = 16
@@ -32,32 +34,37 @@ class DraftBackoff:
 
     def __init__(self, bsz: int):
         self.failures = [0] * bsz
-        self.wait = [0] * bsz
+        self.resume = [0] * bsz  # the first iteration at which the row may draft again
 
-    def room(self, room: Tensor) -> Tensor:
-        """The draft room of each row: none while it waits, a probe's after its wait."""
+    def room(self, room: Tensor, iteration: int) -> Tensor:
+        """The draft room of each row (a CPU tensor) at ``iteration``: none while it waits, a
+        probe's after its wait."""
         allowed = []
-        for r, failures, wait in zip(room.tolist(), self.failures, self.wait):
-            if wait > 0:
+        for r, failures, resume in zip(room.tolist(), self.failures, self.resume):
+            if iteration < resume:
                 allowed.append(0)
             else:
                 allowed.append(min(r, self.PROBE) if failures > self.TOLERATED else r)
         return torch.tensor(allowed, dtype=room.dtype)
 
-    def update(self, drafted: Tensor, accepted: Tensor):
-        """After an iteration: ``drafted`` (B,) tokens each row's drafter proposed, ``accepted``
-        (B,) how many of them the verifier kept."""
-        for r, (tried, kept) in enumerate(zip(drafted.tolist(), accepted.tolist())):
+    def waiting(self, iteration: int) -> bool:
+        """Whether every row waits at ``iteration`` (the engine then asks for no drafts)."""
+        return min(self.resume, default=0) > iteration
+
+    def update(self, drafted: List[int], accepted: List[int], iteration: int):
+        """After ``iteration``: ``drafted`` tokens each row's drafter proposed, ``accepted``
+        how many of them the verifier kept (per active row)."""
+        for r, (tried, kept) in enumerate(zip(drafted, accepted)):
             if tried <= 0:
-                self.wait[r] = max(self.wait[r] - 1, 0)
                 continue
             failed = kept == 0
             self.failures[r] = self.failures[r] + 1 if failed else 0
             excess = min(max(self.failures[r] - self.TOLERATED, 0), 8)
-            self.wait[r] = min(2 ** (excess - 1), self.LONGEST_WAIT) if failed and excess > 0 else 0
+            wait = min(2 ** (excess - 1), self.LONGEST_WAIT) if failed and excess > 0 else 0
+            self.resume[r] = iteration + 1 + wait
 
     def keep(self, alive: Tensor):
         """Keep (and reorder) rows, as the engine does when finished rows leave."""
         order = alive.tolist()
         self.failures = [self.failures[i] for i in order]
-        self.wait = [self.wait[i] for i in order]
+        self.resume = [self.resume[i] for i in order]

@@ -268,12 +268,20 @@ class DraftVerifyGenerator(StatsGenerator):
     def _draft(self, batch: "_Batch") -> "_Block":
         """1. Up to the room left before EOS is forced, the drafter's tokens for every row
         (a row inside its --prefix-size prefix drafts the prefix)."""
-        if self.drafter.drafts_nothing and (batch.prefix is None or batch.prefix.size(1) == 0):
-            return _Block.last_tokens(batch, self.pad)
+        drafter = self.drafter
+        if batch.prefix is None or batch.prefix.size(1) == 0:
+            # a drafter that knows it drafts nothing now is not asked (drafts_now); nor is one
+            # whose every row waits in the back-off
+            if drafter.drafts_nothing or not drafter.drafts_now(len(batch.rows_host)):
+                return _Block.last_tokens(batch, self.pad, proposed=False)
+            if batch.backoff is not None and batch.backoff.waiting(batch.iteration):
+                drafter.skip()
+                return _Block.last_tokens(batch, self.pad, proposed=False)
         room = batch.max_len - batch.n_out
         draft_room = room
         if batch.backoff is not None:  # the back-off lives on the host (backoff.py)
-            draft_room = batch.backoff.room(batch.max_len - batch.n_out_host).to(room.device)
+            draft_room = batch.backoff.room(batch.max_len - batch.n_out_host,
+                                            batch.iteration).to(room.device)
         with batch.drafter_timer:
             draft, drafted = self.drafter.propose(batch.rows, batch.tokens, batch.n_out, draft_room)
         q = self.drafter.draft_probs if self.sampler is not None else None
@@ -392,14 +400,15 @@ class DraftVerifyGenerator(StatsGenerator):
 
         # the drafter may read the verifier's state after the last kept position
         # (blockwise decoding's proposal heads: merged invocation)
-        with batch.drafter_timer:
-            self.drafter.observe(batch.rows, features[block.layout.at(ar, gained - 1)],
-                                 gained - 1, new_tokens[ar, gained - 1])
+        if block.proposed:
+            with batch.drafter_timer:
+                self.drafter.observe(batch.rows, features[block.layout.at(ar, gained - 1)],
+                                     gained - 1, new_tokens[ar, gained - 1])
         # the host's side, from the iteration's read
         gained_host = outcome.gained_host
-        if batch.backoff is not None:
-            batch.backoff.update(torch.tensor(outcome.drafted_host),
-                                 torch.tensor(outcome.accepted_host))
+        if batch.backoff is not None and k > 0:
+            batch.backoff.update(outcome.drafted_host, outcome.accepted_host,
+                                 batch.iteration - 1)
         n_out_host = batch.n_out_host.numpy()
         n_out_host += gained_host
         batch.longest = int(n_out_host.max())
@@ -628,9 +637,11 @@ class _Block:
     # (drafts, draft lengths, packed positions) as lists, where they are known without reading
     # the tensors (a block without drafts); None: read them
     host_lists = None
+    # whether the drafter proposed for this block (else it is not shown the outcome either)
+    proposed = True
 
     @classmethod
-    def last_tokens(cls, batch: _Batch, pad: int) -> "_Block":
+    def last_tokens(cls, batch: _Batch, pad: int, proposed: bool = True) -> "_Block":
         """The block without drafts, each row's last accepted token (a greedy step), built in a
         few operations: at batch 32 the general constructor's dozen cost 3% of an iteration."""
         rows = batch.tokens.size(0)
@@ -655,6 +666,7 @@ class _Block:
         block = cls.__new__(cls)
         block.__dict__.update(template.__dict__)
         block.tokens = batch.tokens.gather(1, batch.n_out.unsqueeze(1))
+        block.proposed = proposed
         return block
 
     def __init__(self, batch: _Batch, draft: Tensor, draft_len: Tensor, drafted: Tensor,

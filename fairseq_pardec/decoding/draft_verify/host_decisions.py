@@ -135,11 +135,11 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
     batch.n_out = batch.n_out_host.clone()  # never the same tensor
     most, fewest = max(gained), min(gained)
     batch.longest = max(n + g for n, g in zip(n_out, gained))
-    if batch.backoff is not None:
-        batch.backoff.update(block.drafted, torch.tensor(n_acc, device=device))
+    if batch.backoff is not None and block.width > 0:
+        batch.backoff.update(lengths, n_acc, batch.iteration - 1)
     gained_t = None
     drafter = generator.drafter
-    if type(drafter).observe is not Drafter.observe:
+    if block.proposed and type(drafter).observe is not Drafter.observe:
         gained_t = torch.tensor(gained, dtype=torch.long)
         last_features = last_tokens = None
         if drafter.observes_features:

@@ -20,6 +20,7 @@ own q, so speculative sampling keeps fairseq's distribution; the prices are then
 ``--seed`` gives the same samples whatever the timing.
 """
 
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -39,7 +40,9 @@ class AutoDrafter(LookupDrafter):
     (see the module's text)."""
 
     BATCH_STATE = dict(LookupDrafter.BATCH_STATE, kind_caps=None, chosen=None, idle=None,
-                       probe_wait=None)
+                       probe_wait=None, probing=None)
+    # most iterations a quiet spell lasts under measured prices (they must go on measuring)
+    LONGEST_MEASURED_QUIET = 64
     PROBE_AFTER = AdaptiveCaps.PROBE_AFTER
     LONGEST_PROBE_WAIT = AdaptiveCaps.LONGEST_PROBE_WAIT
 
@@ -53,6 +56,8 @@ class AutoDrafter(LookupDrafter):
         self.cheap = [COPY, LOOKUP] + ([NGRAM] if table is not None else [])
         self.kinds = self.cheap + ([self.model_kind] if model is not None else [])
         self.histories = {kind: AcceptanceHistory() for kind in self.kinds}
+        # the rows' probes, across batches: a fresh row's first wait (AcceptanceHistory.probed)
+        self.probes = AcceptanceHistory()
         self.heads = model is not None and model_kind == "blockwise"
         self.observes_features = self.heads
         self.stats = None  # the generator's DecodeStats (drafters' shares), set by the builder
@@ -69,7 +74,9 @@ class AutoDrafter(LookupDrafter):
                           for kind in self.kinds}
         self.chosen = [None] * rows  # per batch row: (kind, draft length) of the last propose
         self.idle = [0] * rows
-        self.probe_wait = [self.PROBE_AFTER] * rows
+        self.probe_wait = [self.probes.probe_wait] * rows
+        self.probing = [False] * rows
+        self.quiet, self.skipped = None, 0
         if self.model is not None:
             self.model.start(sample, encoder_out, bos)
 
@@ -99,6 +106,7 @@ class AutoDrafter(LookupDrafter):
             return []
         self.idle[row] = 0
         self.probe_wait[row] = min(2 * self.probe_wait[row], self.LONGEST_PROBE_WAIT)
+        self.probing[row] = True
         rates = [(self.kind_caps[kind].acceptance_rate(row), kind) for kind in self.cheap]
         rates.sort(key=lambda rate: -rate[0])
         return [(0.0, kind, 1) for _, kind in rates]
@@ -115,13 +123,59 @@ class AutoDrafter(LookupDrafter):
             return self._local(row, length)
         return self.table.continuation(output, length)
 
+    # ------------------------------------------------------------------ quiet spells
+    def drafts_now(self, active_rows: int) -> bool:
+        # a drafter model proposes from each verification: never skipped
+        quiet = self.quiet
+        if quiet is None or self.model is not None:
+            return True
+        rows, remaining = quiet
+        if rows == active_rows and remaining > 0:  # rows that finish change the prices
+            self.quiet = (rows, remaining - 1)
+            self.skipped += 1
+            self.clock.open = None  # its time would span the skipped iterations
+            self._count_none(active_rows)
+            return False
+        self.quiet = None
+        return True
+
+    def skip(self):
+        self.skipped += 1
+        self.clock.open = None
+
+    def _catch_up(self):
+        """The iterations that passed without ``propose`` count towards the rows' probes."""
+        if self.skipped:
+            skipped = self.skipped
+            self.idle = [i + skipped for i in self.idle]
+            self.skipped = 0
+
+    def _quiet_after(self, row_ids, limits, active: int, nothing_pays: bool):
+        """After an iteration in which no row drafted or probed: for how many iterations none
+        will (until a row's probe, or for good where not even a certain token pays)."""
+        if nothing_pays:
+            spell = math.inf
+        else:
+            spell = min((self.probe_wait[row] - self.idle[row]
+                         for row, limit in zip(row_ids, limits) if limit > 0), default=math.inf)
+        if self.prices.measured:
+            spell = min(spell, self.LONGEST_MEASURED_QUIET)
+        self.quiet = (active, spell) if spell > 0 else None
+
     def propose(self, rows, tokens, n_out, max_len):
         began = self.clock.now()
-        row_ids, lengths = rows.tolist(), n_out.tolist()
+        self._catch_up()
+        row_ids = rows.tolist()
         active = len(row_ids)
+        value, position, drafting_row = self.prices.prices(active)
+        if value <= position and self.model is None:
+            # not even a certain token pays at this many rows (the CPU's prices from 8 rows):
+            # no row drafts or probes, and the drafter stays quiet while the rows stay
+            self._quiet_after(row_ids, (), active, nothing_pays=True)
+            return self._nothing(rows, began)
+        lengths = n_out.tolist()
         ceiling = self._ceiling(active)
         limits = [min(room, ceiling) for room in max_len.tolist()]
-        value, position, drafting_row = self.prices.prices(active)
         # heads proposed after the last verification (their price is paid); gad's run is not
         model_kinds = [self.model_kind] if self.model is not None else []
         plans = []
@@ -133,6 +187,9 @@ class AutoDrafter(LookupDrafter):
             elif limit > 0:
                 options = self._probe(row)
             plans.append(options)
+        if not any(plans) and self.model is None:
+            self._quiet_after(row_ids, limits, active, nothing_pays=False)
+            return self._nothing(rows, began)
         model_rows = self._model_rows(plans, active)
         self._read_drafting_rows(row_ids, tokens, lengths, [len(p) for p in plans])
 
@@ -207,6 +264,21 @@ class AutoDrafter(LookupDrafter):
                 q[i, : len(drafts[i])] = model_q[i, : len(drafts[i])]
         return q
 
+    def _nothing(self, rows, began):
+        """No row drafts in this iteration: empty drafts, and nothing for ``observe``."""
+        active = rows.numel()
+        self._count_none(active)
+        if began is not None:
+            self.clock.tick(began, active, 0, 0)
+        self._drafted = None
+        lengths = torch.zeros(active, dtype=torch.long, device=rows.device)
+        return lengths.new_zeros(active, 0), lengths
+
+    def _count_none(self, active: int):
+        if self.stats is not None:
+            counts = self.stats.drafter_iterations
+            counts[NONE] = counts.get(NONE, 0) + active
+
     def _count(self, chosen):
         stats = self.stats
         if stats is None:
@@ -236,6 +308,9 @@ class AutoDrafter(LookupDrafter):
                 group[2].append(kept)
                 if kept > 0:
                     self.probe_wait[row] = self.PROBE_AFTER
+                if self.probing[row]:
+                    self.probing[row] = False
+                    self.probes.probed(kept > 0)
                 if stats is not None:
                     stats.drafter_accepted[kind] = (stats.drafter_accepted.get(kind, 0)
                                                     + min(kept, length))

@@ -41,7 +41,11 @@ class AdaptiveCaps:
     rejections, earlier drafts weighted down by RATE_DECAY, after a prior of 0.95): the j-th draft
     token is accepted with probability about p^j, so the row drafts at most the longest length
     whose last position still reaches the threshold. A row left at no draft by it probes with
-    one token after ``PROBE_AFTER`` iterations, so that its estimate can recover.
+    one token after ``PROBE_AFTER`` iterations, then after twice as many while its probes fail
+    (up to ``LONGEST_PROBE_WAIT``), so that its estimate can recover; where even a certain
+    token would not pay (threshold 1 or more) it neither drafts nor probes. Such rows make the
+    drafter *quiet* (``quiet_for``): it knows for how many iterations it will draft nothing,
+    and the engine then takes plain steps without asking it (``Drafter.drafts_now``).
 
     With *prices* instead (``priced_caps``, pricing.py) a row drafts the length that gains the
     most over what its positions and its drafting cost, or nothing where no length pays; its
@@ -65,7 +69,10 @@ class AdaptiveCaps:
             self.accepted = [0.0] * rows
             self.rejected = [0.0] * rows
             self.idle = [0] * rows
-            self.probe_wait = [self.PROBE_AFTER] * rows
+            # a fresh row waits as long for its first probe as the drafter's last rows did
+            first_wait = self.PROBE_AFTER if history is None else history.probe_wait
+            self.probe_wait = [first_wait] * rows
+            self.probing = [False] * rows
         else:
             self.mean = torch.full((rows,), float(initial), dtype=torch.float64, device=device)
 
@@ -113,20 +120,41 @@ class AdaptiveCaps:
                 if idle[r] > waits[r]:  # a probe; the next one waits twice as long
                     idle[r], length = 0, 1
                     waits[r] = min(2 * waits[r], self.LONGEST_PROBE_WAIT)
+                    self.probing[r] = True
             caps.append(length)
         return caps
 
     def _paying_length(self, row: int, threshold: float) -> int:
+        if threshold >= 1.0:  # not even a certain token pays: no draft, and no probe
+            return 0
         rate = self.acceptance_rate(row)
-        length = int(math.log(threshold) / math.log(rate)) if 0.0 < threshold < 1.0 else 0
+        length = int(math.log(threshold) / math.log(rate)) if threshold > 0.0 else 0
         if length >= 1:
             self.idle[row] = 0
             return length
         self.idle[row] += 1
-        if self.idle[row] > self.PROBE_AFTER:
+        if self.idle[row] > self.probe_wait[row]:  # a probe; the next one waits twice as long
             self.idle[row] = 0
+            self.probe_wait[row] = min(2 * self.probe_wait[row], self.LONGEST_PROBE_WAIT)
+            self.probing[row] = True
             return 1
         return 0
+
+    def quiet_for(self, rows: List[int], threshold: Optional[float]) -> float:
+        """After a ``host_caps`` call that gave every one of ``rows`` no draft at ``threshold``:
+        how many iterations will surely give them none again (``inf`` where no position can
+        pay), until their first probe. Their rates do not change meanwhile: nothing is drafted."""
+        if threshold is None:
+            return 0
+        if threshold >= 1.0:
+            return math.inf
+        idle, waits = self.idle, self.probe_wait
+        return min(waits[r] - idle[r] for r in rows)
+
+    def skip(self, iterations: int):
+        """``iterations`` passed without a ``host_caps`` call (the drafter was quiet): every
+        row's wait for its probe moves on by them."""
+        self.idle = [i + iterations for i in self.idle]
 
     def update(self, rows: Tensor, drafted: Tensor, accepted: Tensor):
         """After a verification: ``drafted`` (B,) draft lengths, ``accepted`` (B,) draft tokens
@@ -154,6 +182,9 @@ class AdaptiveCaps:
                     self.probe_wait[r] = self.PROBE_AFTER
                 if history is not None:
                     history.update(kept, kept < tried)
+                    if self.probing[r]:
+                        history.probed(kept > 0)
+                self.probing[r] = False
 
 
 class AcceptanceHistory:
@@ -166,9 +197,18 @@ class AcceptanceHistory:
 
     def __init__(self):
         self.accepted, self.rejected = AdaptiveCaps.PRIOR_ACCEPTED, AdaptiveCaps.PRIOR_REJECTED
+        # how long a fresh row waits for its first probe: as long as the last probe's row
+        # waited after it (doubling while probes fail, up to LONGEST_PROBE_WAIT): on a model
+        # whose drafts are rejected, short sentences do not each pay for a probe
+        self.probe_wait = AdaptiveCaps.PROBE_AFTER
 
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
+
+    def probed(self, accepted: bool):
+        """A row's probe (one draft token after its wait) was accepted or not."""
+        self.probe_wait = (AdaptiveCaps.PROBE_AFTER if accepted
+                           else min(2 * self.probe_wait, AdaptiveCaps.LONGEST_PROBE_WAIT))
 
     def update(self, kept: float, rejected: bool):
         self.accepted = self.DECAY * self.accepted + kept
@@ -254,6 +294,18 @@ class Drafter:
             (B, K) drafts padded with ``pad`` and (B,) their lengths.
         """
         raise NotImplementedError
+
+    def drafts_now(self, active_rows: int) -> bool:
+        """Asked by the engine before each iteration's ``propose``: False where the drafter
+        knows it would draft nothing for any of the ``active_rows`` rows (its rows' estimates
+        say no draft pays, and none is due to probe). The engine then takes a plain step and
+        calls neither ``propose`` nor ``observe``: an iteration that drafts nothing costs what
+        a greedy step costs. A drafter answering False counts such iterations itself."""
+        return True
+
+    def skip(self):
+        """An iteration passed without ``propose`` although ``drafts_now`` said True (the
+        engine's back-off left no row room to draft)."""
 
     def observe(self, rows: Tensor, features: Tensor, last: Tensor, tokens: Tensor = None):
         """Called after each verification with the verifier's (B, d) features after each row's

@@ -54,20 +54,41 @@ class IterationPrices:
 
 
 class FixedPrices(IterationPrices):
-    """A plain iteration of R rows costs ``fixed + R`` positions; a drafting row ``drafting_row``
-    positions. With ``fixed = 2`` and no price per drafting row, draft position j pays where its
-    acceptance reaches R / (R + 2): the CPU threshold of ``CopyDrafter.CPU_FIXED``."""
+    """Constant prices, in units of what one more row adds to a plain iteration: a plain
+    iteration of R rows costs ``fixed + R``, a verified draft position ``position``, a drafting
+    row ``drafting_row`` beyond its positions, a drafter model's run ``model`` (None: a plain
+    iteration). A first draft token then pays where its acceptance reaches
+    ``position * R / (R + fixed)`` (:meth:`threshold`): at batch 1 most drafts pay, and from
+    ``R >= fixed / (position - 1)`` rows none does, so that a full batch decodes as plain steps
+    and drafting starts as rows finish."""
 
-    def __init__(self, fixed: float = 2.0, drafting_row: float = 0.0, model: float = None):
-        self.fixed, self.row = float(fixed), float(drafting_row)
-        self.model = model  # None: a plain iteration's price
+    def __init__(self, fixed: float = 2.0, position: float = 1.0, drafting_row: float = 0.0,
+                 model: float = None):
+        self.fixed, self.position, self.row = float(fixed), float(position), float(drafting_row)
+        self.model = model
 
     def prices(self, rows: int):
         rows = max(1, rows)
-        return (self.fixed + rows) / rows, 1.0, self.row
+        return (self.fixed + rows) / rows, self.position, self.row
+
+    def threshold(self, rows: int) -> float:
+        """The least acceptance at which a first draft token pays for its position (above 1:
+        none does)."""
+        rows = max(1, rows)
+        return self.position * rows / (rows + self.fixed)
 
     def model_price(self, rows: int) -> float:
         return self.fixed + max(1, rows) if self.model is None else self.model
+
+
+# The CPU's prices, from the costs of a d256 3+3 model's iterations on an AMD EPYC (2 threads,
+# docs/results.md, "What an iteration costs on the CPU"): a plain iteration costs ~250 us at one
+# row and ~26 us more per row (fixed ~ 9 rows); a verified draft position 40-65 us (its products
+# and its share of the decisions, ~2 rows); a drafting row ~2 rows of Python (matching,
+# the ragged block, reading its outcome). So a draft position pays at 1 row where it is accepted
+# with probability 0.22, at 4 rows 0.67, and never from 8 rows on: there every product is bound
+# by arithmetic and a position costs more than a row's share of the plain step.
+CPU_PRICES = FixedPrices(fixed=8.0, position=2.0, drafting_row=2.0)
 
 
 class _Fit:

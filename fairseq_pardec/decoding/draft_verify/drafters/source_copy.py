@@ -8,7 +8,8 @@ from torch import Tensor
 
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
                                                                 Drafter, pad_drafts)
-from fairseq_pardec.decoding.draft_verify.drafters.pricing import (FixedPrices, IterationClock,
+from fairseq_pardec.decoding.draft_verify.drafters.pricing import (CPU_PRICES, FixedPrices,
+                                                                  IterationClock,
                                                                   IterationPrices)
 
 logger = logging.getLogger(__name__)
@@ -67,13 +68,12 @@ class CopyDrafter(Drafter):
     CPU_MIN_CEILING = 6
     CPU_MAX_CEILING = 16
     # On the CPU (adaptive caps) a draft position must also pay for its verification: with R
-    # active rows it does where it is accepted with probability at least R / (R + CPU_FIXED),
-    # CPU_FIXED being what an iteration costs beyond its verified positions, in positions
-    # (AdaptiveCaps.host_caps). At batch 1 an iteration's fixed cost dominates and long drafts
-    # pay; at batch 32 the products are bound by arithmetic and only near-certain positions do.
-    # Chosen by measurement (docs/results.md, "Batch 32: cheaper iterations, and drafts that
-    # pay"); None: no such threshold (the caps follow acceptance only).
-    CPU_FIXED = 2.0
+    # active rows it does where it is accepted with probability at least CPU_PRICES.threshold(R)
+    # (AdaptiveCaps.host_caps; pricing.CPU_PRICES). At batch 1 an iteration's fixed cost
+    # dominates and long drafts pay; from 8 rows on the products are bound by arithmetic and
+    # no position pays, so a full batch decodes as plain steps and the rows left at its end
+    # draft. None: no such threshold (the caps follow acceptance only).
+    CPU_PRICES = CPU_PRICES
     # On a GPU a longer block costs about as much as one token, so rows may draft what remains
     # of their source, within a budget of block positions per iteration: the verifier holds a
     # (positions, vocabulary) tensor of log-probabilities, which for 64 rows x 200 source
@@ -83,7 +83,8 @@ class CopyDrafter(Drafter):
     GPU_MIN_CEILING = 16
 
     BATCH_STATE = dict(Drafter.BATCH_STATE, on_cpu=True, sources=None, positions=None,
-                       last_match=None, outputs=None, caps=None, _drafted=None, clock=None)
+                       last_match=None, outputs=None, caps=None, _drafted=None, clock=None,
+                       quiet=None, skipped=0)
     observes_features = False  # observe reads only how much of each draft was accepted
 
     def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False,
@@ -96,9 +97,12 @@ class CopyDrafter(Drafter):
         self.adaptive = adaptive
         # with prices (pricing.py; adaptive caps only), each row drafts only what pays for its
         # verification and its drafting, on any device; a fresh row starts from the drafter's
-        # acceptance so far. Without, the CPU's caps stop at the threshold of CPU_FIXED.
+        # acceptance so far. Without, the CPU's caps stop at the threshold of CPU_PRICES.
         self.prices = prices if adaptive else None
-        self.history = AcceptanceHistory() if self.prices is not None else None
+        # a fresh row's estimate starts from the drafter's acceptance over the rows before it
+        # (on the CPU): on a model whose drafts are rejected (translation) a new sentence does
+        # not open with a long rejected draft, on one that copies it drafts from the start
+        self.history = AcceptanceHistory() if adaptive else None
 
     def set_sampler(self, sampler, temperature: float = 1.0):
         super().set_sampler(sampler, temperature)
@@ -130,6 +134,8 @@ class CopyDrafter(Drafter):
                                  "cpu" if self.prices is not None else src.device, self.history)
         self._drafted = None
         self.clock = IterationClock(self.prices) if self.prices is not None else None
+        # (active rows, iterations) while the caps give every row no draft (drafts_now)
+        self.quiet, self.skipped = None, 0
 
 
     def _match(self, row: int, output: List[int]):
@@ -162,6 +168,7 @@ class CopyDrafter(Drafter):
 
     def _row_caps(self, rows: List[int], max_len: Tensor, ceiling) -> List[int]:
         """Most draft tokens per row now: its room, the ceiling, and (adaptive) its own cap."""
+        self._catch_up()
         caps = max_len.tolist()
         if ceiling is not None:
             caps = [min(cap, ceiling) for cap in caps]
@@ -171,13 +178,39 @@ class CopyDrafter(Drafter):
         if self.adaptive:
             if self.caps.on_host:
                 threshold = None
-                if self.block_size is None and self.CPU_FIXED is not None:
-                    threshold = len(rows) / (len(rows) + self.CPU_FIXED)
+                if self.block_size is None and self.CPU_PRICES is not None:
+                    threshold = self.CPU_PRICES.threshold(len(rows))
                 own = self.caps.host_caps(rows, threshold)
+                if max(own, default=1) == 0:
+                    quiet = self.caps.quiet_for(rows, threshold)
+                    self.quiet = (len(rows), quiet) if quiet > 0 else None
             else:
                 own = self.caps.caps(torch.tensor(rows, device=self.caps.mean.device)).tolist()
             caps = [min(cap, mine) for cap, mine in zip(caps, own)]
         return caps
+
+    def drafts_now(self, active_rows: int) -> bool:
+        quiet = self.quiet
+        if quiet is None:
+            return True
+        rows, remaining = quiet
+        if rows == active_rows and remaining > 0:  # rows that finish change the threshold
+            self.quiet = (rows, remaining - 1)
+            self.skipped += 1
+            return False
+        self.quiet = None
+        self._catch_up()
+        return True
+
+    def skip(self):
+        self.skipped += 1
+
+    def _catch_up(self):
+        """The iterations that passed without ``propose`` count towards the rows' probes."""
+        if self.skipped:
+            if self.caps.on_host:
+                self.caps.skip(self.skipped)
+            self.skipped = 0
 
     def _read_new_tokens(self, row_ids: List[int], tokens: Tensor, n_out: List[int]):
         """Append each row's tokens accepted since the last call (on the CPU a slice per row,
