@@ -227,6 +227,7 @@ class DraftVerifyGenerator(StatsGenerator):
         batch = self._start(sample, prefix_tokens, bos_token)
         # on the CPU an iteration's decisions cost less in Python than in small tensor operations
         on_host = decides_on_host(self, sample["net_input"]["src_tokens"], prefix_tokens)
+        batch.on_host = on_host
         while batch.rows.numel() > 0:
             block = self._draft(batch)
             features, lprobs, forced = self._verify(batch, block)
@@ -285,9 +286,13 @@ class DraftVerifyGenerator(StatsGenerator):
         with batch.drafter_timer:
             draft, drafted = self.drafter.propose(batch.rows, batch.tokens, batch.n_out, draft_room)
         q = self.drafter.draft_probs if self.sampler is not None else None
+        # the drafts as the drafter's lists, where it keeps them (host decisions read them)
+        lists, drafter.host_drafts = getattr(drafter, "host_drafts", None), None
         draft, draft_len, q = self._force_prefix_draft(draft, drafted, batch, q)
         if draft.size(1) == 0 and q is None:  # no row drafted: a plain step
             return _Block.last_tokens(batch, self.pad)
+        if batch.on_host and lists is not None:
+            return _Block.from_lists(batch, lists, draft, drafted, self.pad)
         return _Block(batch, draft, draft_len, drafted, q, self.pad)
 
     def _verify(self, batch: "_Batch", block: "_Block"):
@@ -531,6 +536,8 @@ class _Batch:
                  encoder_out, prefix: Optional[Tensor], device, guard: Optional[float] = None):
         self.generator = generator
         self.max_len = max_len
+        # whether the iterations are decided on the host (host_decisions.py; set by _generate)
+        self.on_host = False
         self.prefix = prefix  # (B, P) forced prefix tokens, pad = not forced; or None
         # the same on the host (read once per batch: rows inside it draft it)
         self.prefix_host = prefix.cpu() if prefix is not None and prefix.size(1) else None
@@ -668,6 +675,54 @@ class _Block:
         block.tokens = batch.tokens.gather(1, batch.n_out.unsqueeze(1))
         block.proposed = proposed
         return block
+
+    @classmethod
+    def from_lists(cls, batch: _Batch, drafts: List[List[int]], draft: Tensor, drafted: Tensor,
+                   pad: int) -> "_Block":
+        """The block of an iteration decided on the host (host_decisions.py), built from the
+        drafter's lists: what the decoder step and the decisions read, in a few operations
+        (the general constructor's dozen cost about as much as a verified position at batch
+        1). The tensor path's own fields are made if read (``__getattr__``)."""
+        block = cls.__new__(cls)
+        block.draft, block.draft_len, block.drafted, block.q = draft, drafted, drafted, None
+        block.padded_with = pad
+        rows, lengths = len(drafts), [len(d) for d in drafts]
+        width = max(lengths)
+        block.rows, block.width = rows, width
+        last = batch.tokens.numpy()
+        n_out = batch.n_out_host.tolist()
+        block.tokens = torch.tensor([[int(last[r, n_out[r]])] + d + [pad] * (width - len(d))
+                                     for r, d in enumerate(drafts)])
+        block.cols = torch.arange(width + 1)
+        if min(lengths) == width:
+            block.pad = torch.zeros(rows, width + 1, dtype=torch.bool)
+            block.layout = BlockLayout(block.pad, dense=True)
+            pos = [[j * rows + r for j in range(width + 1)] for r in range(rows)]
+        else:  # real positions packed time-major: position j of every row, then j + 1
+            pos = [[-1] * (width + 1) for _ in range(rows)]
+            index = []
+            for j in range(width + 1):
+                for r in range(rows):
+                    if j <= lengths[r]:
+                        pos[r][j] = len(index)
+                        index.append(j * rows + r)
+            block.pad = torch.tensor([[j > n for j in range(width + 1)] for n in lengths])
+            block.layout = BlockLayout.from_host(block.pad, index, pos)
+        block.host_lists = (drafts, lengths, pos)
+        return block
+
+    def __getattr__(self, name):
+        """The tensor path's fields of a block built ``from_lists`` (only read off the host
+        path: a test forcing the tensor path, a replay)."""
+        if name not in ("ar", "draft_valid", "draft_pos", "padded_draft"):
+            raise AttributeError(name)
+        device = self.draft.device
+        self.ar = torch.arange(self.rows, device=device)
+        self.draft_valid = ~self.pad[:, 1:]
+        self.draft_pos = self.layout.pos[:, :self.width].clamp(min=0)
+        self.padded_draft = torch.cat([self.draft, self.draft.new_full((self.rows, 1),
+                                                                         self.padded_with)], dim=1)
+        return getattr(self, name)
 
     def __init__(self, batch: _Batch, draft: Tensor, draft_len: Tensor, drafted: Tensor,
                  q: Optional[Tensor], pad: int):

@@ -8,7 +8,7 @@ so that work runs on them only; attention, which needs each row's block in place
 back onto the (L, B) grid.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -39,6 +39,20 @@ class BlockLayout:
             pos = torch.full((grid,), -1, dtype=torch.long, device=device)
             pos[self.index] = torch.arange(self.size, device=device)
             self.pos = pos.view(self.length, self.batch).t()
+
+    @classmethod
+    def from_host(cls, block_pad: Tensor, index: List[int], pos: List[List[int]]) -> "BlockLayout":
+        """The layout of a ragged CPU block whose packing the caller computed in Python
+        (``index``: the grid position of each packed row; ``pos``: per row and block position
+        its packed row, -1 at padding)."""
+        layout = cls.__new__(cls)
+        layout.batch, layout.length = block_pad.shape
+        layout.dense = False
+        layout.block_pad = block_pad
+        layout.index = torch.tensor(index, dtype=torch.long)
+        layout.size = len(index)
+        layout.pos = torch.tensor(pos, dtype=torch.long)
+        return layout
 
     def pack_time_major(self, t: Tensor) -> Tensor:
         """(L, B, ...) -> (N, ...)."""

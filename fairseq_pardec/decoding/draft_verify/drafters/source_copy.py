@@ -84,7 +84,7 @@ class CopyDrafter(Drafter):
 
     BATCH_STATE = dict(Drafter.BATCH_STATE, on_cpu=True, sources=None, positions=None,
                        last_match=None, outputs=None, caps=None, _drafted=None, clock=None,
-                       quiet=None, skipped=0)
+                       quiet=None, skipped=0, host_drafts=None)
     observes_features = False  # observe reads only how much of each draft was accepted
 
     def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False,
@@ -269,6 +269,7 @@ class CopyDrafter(Drafter):
                             sum(1 for d in drafts if d))
         draft, drafted = pad_drafts(drafts, self.pad, device)
         self._drafted = (rows, drafted)  # observe's rows are these (tests pass none)
+        self.host_drafts = drafts  # the engine builds a host-decided block from the lists
         return draft, drafted
 
     def observe(self, rows, features, last, tokens=None):
