@@ -14,12 +14,18 @@ from helpers import by_id, make_task, random_batch
 
 
 def _drafter(kind, model, d):
-    if kind == "iad":
-        return CopyDrafter(d, d, adaptive=True)
-    if kind == "lookup":
-        table = NgramTable([[d.nspecial + i % 7 for i in range(j, j + 12)] for j in range(9)],
-                           len(d), d.eos(), d.eos())
-        return LookupDrafter(d, d, table, adaptive=True)
+    if kind in ("iad", "lookup"):
+        if kind == "iad":
+            drafter = CopyDrafter(d, d, adaptive=True)
+        else:
+            table = NgramTable([[d.nspecial + i % 7 for i in range(j, j + 12)] for j in range(9)],
+                               len(d), d.eos(), d.eos())
+            drafter = LookupDrafter(d, d, table, adaptive=True)
+        # what the drafter learns across batches (AcceptanceHistory: a fresh row's prior) is
+        # shared by the threads on purpose, so their drafts would depend on the interleaving;
+        # the per-batch state is under test here
+        drafter.history = None
+        return drafter
     from test_gad_cached import causal_drafter
     from test_gad import drafter_model
 
