@@ -25,7 +25,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fairseq_pardec.decoding.draft_verify.drafters.base import AcceptanceHistory, AdaptiveCaps
+from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
+                                                                QuietSpell)
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (IterationPrices,
                                                                   MeasuredPrices, draft_gain,
@@ -76,9 +77,23 @@ class AutoDrafter(LookupDrafter):
         self.idle = [0] * rows
         self.probe_wait = [self.probes.probe_wait] * rows
         self.probing = [False] * rows
-        self.quiet, self.skipped = None, 0
+        self.quiet, self.skipped = self._quiet_at_start(rows), 0
         if self.model is not None:
             self.model.start(sample, encoder_out, bos)
+
+    def _quiet_at_start(self, rows: int):
+        """A batch whose fresh rows would all draft nothing (no drafter's acceptance so far
+        pays) starts quiet, until their first probe (see ``_quiet_after``)."""
+        if self.model is not None or rows == 0:
+            return None
+        value, position, drafting_row = self.prices.prices(rows)
+        if value > position and self._options(0, self._ceiling(rows), value, position,
+                                              drafting_row, self.cheap):
+            return None
+        spell = math.inf if value <= position else self.probe_wait[0]
+        if self.prices.measured:
+            spell = min(spell, self.LONGEST_MEASURED_QUIET)
+        return QuietSpell(rows, spell)
 
     # ------------------------------------------------------------------ choosing
     def _options(self, row: int, limit: int, value: float, position: float, drafting_row: float,
@@ -126,22 +141,23 @@ class AutoDrafter(LookupDrafter):
     # ------------------------------------------------------------------ quiet spells
     def drafts_now(self, active_rows: int) -> bool:
         # a drafter model proposes from each verification: never skipped
-        quiet = self.quiet
-        if quiet is None or self.model is not None:
+        state = self._batch_state()
+        spell = getattr(state, "quiet", None)
+        if spell is None or self.model is not None:
             return True
-        rows, remaining = quiet
-        if rows == active_rows and remaining > 0:  # rows that finish change the prices
-            self.quiet = (rows, remaining - 1)
-            self.skipped += 1
-            self.clock.open = None  # its time would span the skipped iterations
+        if spell.step(active_rows):  # rows that finish change the prices: the spell ends
+            if self.prices.measured:
+                self.clock.open = None  # its time would span the skipped iterations
             self._count_none(active_rows)
             return False
-        self.quiet = None
+        state.quiet = None
+        self.skipped += spell.skipped
         return True
 
     def skip(self):
         self.skipped += 1
-        self.clock.open = None
+        if self.prices.measured:
+            self.clock.open = None
 
     def _catch_up(self):
         """The iterations that passed without ``propose`` count towards the rows' probes."""
@@ -160,7 +176,7 @@ class AutoDrafter(LookupDrafter):
                          for row, limit in zip(row_ids, limits) if limit > 0), default=math.inf)
         if self.prices.measured:
             spell = min(spell, self.LONGEST_MEASURED_QUIET)
-        self.quiet = (active, spell) if spell > 0 else None
+        self.quiet = QuietSpell(active, spell) if spell > 0 else None
 
     def propose(self, rows, tokens, n_out, max_len):
         began = self.clock.now()

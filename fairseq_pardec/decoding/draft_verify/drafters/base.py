@@ -64,6 +64,10 @@ class AdaptiveCaps:
     def __init__(self, rows: int, initial: float, device, history: "AcceptanceHistory" = None):
         self.on_host = torch.device(device).type == "cpu"
         self.history = history
+        if self.on_host and history is not None and history.mean_accepted is not None:
+            # a fresh row's first draft is as long as the drafter's recent drafts were worth,
+            # not uncapped: on translation a sentence's first copy is rejected
+            initial = min(initial, history.mean_accepted)
         if self.on_host:
             self.mean = [float(initial)] * rows
             self.accepted = [0.0] * rows
@@ -108,6 +112,8 @@ class AdaptiveCaps:
         """Per row the length that pays at these prices (pricing.paying_length), within its
         ``limits`` and twice its recent mean plus one; a probe of one token after the row's
         wait (CPU lists only). Called once per iteration."""
+        if value <= position:  # not even a certain token pays: no draft, and no probe
+            return [0] * len(rows)
         caps = []
         mean, idle, waits = self.mean, self.idle, self.probe_wait
         for r, limit in zip(rows, limits):
@@ -140,16 +146,19 @@ class AdaptiveCaps:
             return 1
         return 0
 
-    def quiet_for(self, rows: List[int], threshold: Optional[float]) -> float:
-        """After a ``host_caps`` call that gave every one of ``rows`` no draft at ``threshold``:
-        how many iterations will surely give them none again (``inf`` where no position can
-        pay), until their first probe. Their rates do not change meanwhile: nothing is drafted."""
-        if threshold is None:
-            return 0
-        if threshold >= 1.0:
+    def quiet_for(self, rows: List[int], limits: Optional[List[int]] = None,
+                  nothing_pays: bool = False) -> float:
+        """After a call that gave every one of ``rows`` no draft: how many iterations will
+        surely give them none again, until their first probe (rows whose ``limits`` is 0 do
+        not probe); ``inf`` where ``nothing_pays`` (not even a certain token would). Their
+        rates do not change meanwhile: nothing is drafted."""
+        if nothing_pays:
             return math.inf
         idle, waits = self.idle, self.probe_wait
-        return min(waits[r] - idle[r] for r in rows)
+        if limits is None:
+            return min(waits[r] - idle[r] for r in rows)
+        return min((waits[r] - idle[r] for r, limit in zip(rows, limits) if limit > 0),
+                   default=math.inf)
 
     def skip(self, iterations: int):
         """``iterations`` passed without a ``host_caps`` call (the drafter was quiet): every
@@ -181,10 +190,30 @@ class AdaptiveCaps:
                 if kept > 0:
                     self.probe_wait[r] = self.PROBE_AFTER
                 if history is not None:
-                    history.update(kept, kept < tried)
+                    history.update(kept, kept < tried, mean[r])
                     if self.probing[r]:
                         history.probed(kept > 0)
                 self.probing[r] = False
+
+
+class QuietSpell:
+    """Iterations in which a drafter surely drafts nothing (``Drafter.drafts_now``): while the
+    count of active rows stays ``rows``, ``remaining`` more of them; ``skipped`` counts those
+    that passed. Kept in the batch's state and changed in place: the engine asks every
+    iteration, so that asking costs next to nothing."""
+
+    __slots__ = ("rows", "remaining", "skipped")
+
+    def __init__(self, rows: int, remaining: float):
+        self.rows, self.remaining, self.skipped = rows, remaining, 0
+
+    def step(self, active_rows: int) -> bool:
+        """Whether this iteration is one of the spell's (then counted)."""
+        if self.rows == active_rows and self.remaining > 0:
+            self.remaining -= 1
+            self.skipped += 1
+            return True
+        return False
 
 
 class AcceptanceHistory:
@@ -201,6 +230,8 @@ class AcceptanceHistory:
         # waited after it (doubling while probes fail, up to LONGEST_PROBE_WAIT): on a model
         # whose drafts are rejected, short sentences do not each pay for a probe
         self.probe_wait = AdaptiveCaps.PROBE_AFTER
+        # the mean of the rows' recent means of accepted draft tokens (a fresh row's first cap)
+        self.mean_accepted = None
 
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
@@ -210,9 +241,12 @@ class AcceptanceHistory:
         self.probe_wait = (AdaptiveCaps.PROBE_AFTER if accepted
                            else min(2 * self.probe_wait, AdaptiveCaps.LONGEST_PROBE_WAIT))
 
-    def update(self, kept: float, rejected: bool):
+    def update(self, kept: float, rejected: bool, row_mean: Optional[float] = None):
         self.accepted = self.DECAY * self.accepted + kept
         self.rejected = self.DECAY * self.rejected + rejected
+        if row_mean is not None:
+            self.mean_accepted = (row_mean if self.mean_accepted is None else
+                                  self.DECAY * self.mean_accepted + (1 - self.DECAY) * row_mean)
 
 
 _THREADS_LOCK = threading.Lock()

@@ -1,16 +1,18 @@
 """Input-guided aggressive decoding's drafter (IAD): copy drafts from the source."""
 
 import logging
+import math
 from typing import List
 
 import torch
 from torch import Tensor
 
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
-                                                                Drafter, pad_drafts)
+                                                                Drafter, QuietSpell,
+                                                                pad_drafts)
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (CPU_PRICES, FixedPrices,
                                                                   IterationClock,
-                                                                  IterationPrices)
+                                                                  IterationPrices, paying_length)
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +69,12 @@ class CopyDrafter(Drafter):
     CPU_POSITIONS = 64
     CPU_MIN_CEILING = 6
     CPU_MAX_CEILING = 16
-    # On the CPU (adaptive caps) a draft position must also pay for its verification: with R
-    # active rows it does where it is accepted with probability at least CPU_PRICES.threshold(R)
-    # (AdaptiveCaps.host_caps; pricing.CPU_PRICES). At batch 1 an iteration's fixed cost
+    # On the CPU (adaptive caps) a draft must pay for its verified positions and its drafting:
+    # each row drafts the length that gains the most at the CPU's prices, or nothing
+    # (AdaptiveCaps.priced_caps; pricing.CPU_PRICES). At batch 1 an iteration's fixed cost
     # dominates and long drafts pay; from 8 rows on the products are bound by arithmetic and
     # no position pays, so a full batch decodes as plain steps and the rows left at its end
-    # draft. None: no such threshold (the caps follow acceptance only).
+    # draft. None: the caps follow acceptance only.
     CPU_PRICES = CPU_PRICES
     # On a GPU a longer block costs about as much as one token, so rows may draft what remains
     # of their source, within a budget of block positions per iteration: the verifier holds a
@@ -134,8 +136,23 @@ class CopyDrafter(Drafter):
                                  "cpu" if self.prices is not None else src.device, self.history)
         self._drafted = None
         self.clock = IterationClock(self.prices) if self.prices is not None else None
-        # (active rows, iterations) while the caps give every row no draft (drafts_now)
-        self.quiet, self.skipped = None, 0
+        # the iterations in which the caps surely give every row no draft (drafts_now)
+        self.quiet, self.skipped = self._fresh_spell(len(self.sources)), 0
+
+    def _fresh_spell(self, rows: int):
+        """A batch whose fresh rows would all draft nothing at the CPU's prices (the drafter's
+        acceptance so far does not pay) starts quiet, until their first probe: on a model
+        whose drafts are rejected a sentence is not asked for drafts at its first token."""
+        if not (self.adaptive and self.caps.on_host and self.block_size is None
+                and self.prices is None and self.CPU_PRICES is not None and rows > 0):
+            return None
+        value, position, drafting_row = self.CPU_PRICES.prices(rows)
+        if value <= position:
+            return QuietSpell(rows, math.inf)
+        rate = self.caps.acceptance_rate(0)  # every row's, fresh
+        if paying_length(rate, value, position, drafting_row, AdaptiveCaps.CEILING) > 0:
+            return None
+        return QuietSpell(rows, self.caps.probe_wait[0])
 
 
     def _match(self, row: int, output: List[int]):
@@ -176,30 +193,31 @@ class CopyDrafter(Drafter):
             value, position, drafting_row = self.prices.prices(len(rows))
             return self.caps.priced_caps(rows, value, position, drafting_row, caps)
         if self.adaptive:
-            if self.caps.on_host:
-                threshold = None
-                if self.block_size is None and self.CPU_PRICES is not None:
-                    threshold = self.CPU_PRICES.threshold(len(rows))
-                own = self.caps.host_caps(rows, threshold)
+            if self.caps.on_host and self.block_size is None and self.CPU_PRICES is not None:
+                # the CPU's prices: per row the length that pays for its positions and its
+                # drafting (AdaptiveCaps.priced_caps), under its recent mean
+                value, position, drafting_row = self.CPU_PRICES.prices(len(rows))
+                own = self.caps.priced_caps(rows, value, position, drafting_row, caps)
                 if max(own, default=1) == 0:
-                    quiet = self.caps.quiet_for(rows, threshold)
-                    self.quiet = (len(rows), quiet) if quiet > 0 else None
+                    spell = self.caps.quiet_for(rows, caps, nothing_pays=value <= position)
+                    self.quiet = QuietSpell(len(rows), spell) if spell > 0 else None
+                return own
+            if self.caps.on_host:
+                own = self.caps.host_caps(rows)
             else:
                 own = self.caps.caps(torch.tensor(rows, device=self.caps.mean.device)).tolist()
             caps = [min(cap, mine) for cap, mine in zip(caps, own)]
         return caps
 
     def drafts_now(self, active_rows: int) -> bool:
-        quiet = self.quiet
-        if quiet is None:
+        state = self._batch_state()
+        spell = getattr(state, "quiet", None)
+        if spell is None:
             return True
-        rows, remaining = quiet
-        if rows == active_rows and remaining > 0:  # rows that finish change the threshold
-            self.quiet = (rows, remaining - 1)
-            self.skipped += 1
+        if spell.step(active_rows):  # rows that finish change the prices: the spell ends
             return False
-        self.quiet = None
-        self._catch_up()
+        state.quiet = None
+        self.skipped += spell.skipped
         return True
 
     def skip(self):
