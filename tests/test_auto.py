@@ -102,8 +102,8 @@ def test_never_copying_model_costs_a_greedy_step(batch_size):
 @pytest.mark.parametrize("name", ["iad", "lookup", "auto"])
 def test_a_drafter_that_drafts_nothing_is_not_asked(name):
     """At the CPU's prices no draft position pays from 8 active rows on: a batch of 32 decodes
-    by plain steps without asking the drafter, once per count of active rows (which falls as
-    rows finish), and then drafts for the rows left; the output is fairseq's."""
+    by plain steps without asking the drafter until fewer than 8 rows are left, which are then
+    asked; the output is fairseq's."""
     d = make_dictionary(50)
     model = tiny_transformer(make_task(d), seed=2)
     drafter = {"iad": CopyDrafter(d, d, adaptive=True),
@@ -122,9 +122,10 @@ def test_a_drafter_that_drafts_nothing_is_not_asked(name):
     sample = random_batch(d, [10 + (i * 7) % 25 for i in range(32)], seed=3)
     expected = fairseq_greedy(model, d, sample, max_len_a=1.2, max_len_b=10)
     assert by_id(sample, generator.generate([model], sample)) == by_id(sample, expected)
-    full = [rows for rows in asked if rows >= 8]
-    assert full and len(full) == len(set(full))
-    assert generator.stats.decoder_calls > len(asked)
+    # a batch of 8 rows or more starts quiet: asked only once fewer rows are left (on this
+    # model most rows run to the batch's length limit together)
+    assert max(asked, default=0) < 8
+    assert generator.stats.decoder_calls > 10
 
 
 @pytest.mark.trains

@@ -183,7 +183,7 @@ def test_paying_length_follows_the_acceptance_rate_and_the_price():
     assert rate == pytest.approx(1.95 / 3.0)
     assert caps.host_caps([0], 0.5) == [1]  # log 0.5 / log 0.65 = 1.6 (mean 1: cap 3)
     assert caps.host_caps([0], 0.9) == [0]
-    assert caps.quiet_for([0], 0.9) == AdaptiveCaps.PROBE_AFTER - 1  # surely no draft until...
+    assert caps.quiet_for([0]) == AdaptiveCaps.PROBE_AFTER - 1  # surely no draft until...
     waits = [caps.host_caps([0], 0.9)[0] for _ in range(AdaptiveCaps.PROBE_AFTER)]
     assert waits == [0] * (AdaptiveCaps.PROBE_AFTER - 1) + [1]  # ...the probe
     # a failed probe doubles the wait for the next one; skipped iterations count towards it
@@ -191,7 +191,7 @@ def test_paying_length_follows_the_acceptance_rate_and_the_price():
     caps.skip(2 * AdaptiveCaps.PROBE_AFTER - 1)
     assert caps.host_caps([0], 0.9) == [0] and caps.host_caps([0], 0.9) == [1]
     # where not even a certain token pays, no probe ever comes
-    assert caps.quiet_for([0], 1.2) == math.inf
+    assert caps.quiet_for([0], nothing_pays=True) == math.inf
     assert [caps.host_caps([0], 1.2)[0] for _ in range(200)] == [0] * 200
     caps.host_update([0], [1], [1])  # an accepted probe: the row drafts again
     # a row whose drafts (probes first) keep being accepted drafts longer and longer
@@ -205,9 +205,10 @@ def test_paying_length_follows_the_acceptance_rate_and_the_price():
 
 
 def test_cpu_price_of_a_position_grows_with_the_active_rows():
-    """On the CPU an adaptive drafter's threshold is CPU_PRICES.threshold(R) for R active rows:
-    a fresh row drafts long at batch 1 and not at all from 8 rows (not even a probe: no position
-    pays there); --block-size, or CPU_PRICES None, leaves the caps to acceptance alone."""
+    """On the CPU an adaptive drafter drafts what pays at CPU_PRICES for R active rows: a fresh
+    row drafts long at batch 1 (to where CPU_PRICES.threshold(1) is reached) and not at all from
+    8 rows (not even a probe: no position pays there); --block-size, or CPU_PRICES None, leaves
+    the caps to acceptance alone."""
     d = make_dictionary(12)
     drafter = drafter_for(["w%d" % i for i in range(1, 12)], d)
     drafter.adaptive = True
@@ -219,6 +220,7 @@ def test_cpu_price_of_a_position_grows_with_the_active_rows():
     assert drafter.CPU_PRICES.threshold(8) >= 1.0 > drafter.CPU_PRICES.threshold(7)
     for _ in range(3 * AdaptiveCaps.LONGEST_PROBE_WAIT):
         assert drafter._row_caps(rows, room, 100) == [0] * 32
-    assert drafter.quiet == (32, math.inf)  # the engine need not ask while 32 rows are left
+    # the engine need not ask while 32 rows are left
+    assert (drafter.quiet.rows, drafter.quiet.remaining) == (32, math.inf)
     drafter.CPU_PRICES = None
     assert drafter._row_caps(rows, room, 100) == [100] * 32
