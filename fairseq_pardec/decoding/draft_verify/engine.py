@@ -59,7 +59,7 @@ from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls, fairs
 from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
 from fairseq_pardec.decoding.draft_verify.host_decisions import accept_and_commit, decides_on_host
 from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
-from fairseq_pardec.decoding.draft_verify.drafters import Drafter, pad_drafts
+from fairseq_pardec.decoding.draft_verify.drafters import pad_drafts
 from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
 from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
@@ -275,11 +275,11 @@ class DraftVerifyGenerator(StatsGenerator):
             # whose every row waits in the back-off
             if drafter.drafts_nothing or not drafter.drafts_now(len(batch.rows_host)):
                 return _Block.last_tokens(batch, self.pad, proposed=False)
-            if (batch.backoff is not None and batch.backoff.waiting(batch.iteration)
-                    and type(drafter).drafts_now is not Drafter.drafts_now):
-                # a drafter with quiet spells counts such iterations itself (drafts_now);
-                # one without (heads, gad) is asked and shown each iteration as before
-                drafter.skip()
+            if (drafter.quiet_spells and batch.backoff is not None
+                    and batch.backoff.waiting(batch.iteration)):
+                # a drafter with quiet spells counts such iterations itself; one without
+                # (heads, gad) is asked and shown each iteration as before
+                drafter.skip(len(batch.rows_host))
                 return _Block.last_tokens(batch, self.pad, proposed=False)
         room = batch.max_len - batch.n_out
         draft_room = room
@@ -290,7 +290,9 @@ class DraftVerifyGenerator(StatsGenerator):
             draft, drafted = self.drafter.propose(batch.rows, batch.tokens, batch.n_out, draft_room)
         q = self.drafter.draft_probs if self.sampler is not None else None
         # the drafts as the drafter's lists, where it keeps them (host decisions read them)
-        lists, drafter.host_drafts = getattr(drafter, "host_drafts", None), None
+        lists = drafter.host_drafts
+        if lists is not None:
+            drafter.host_drafts = None
         draft, draft_len, q = self._force_prefix_draft(draft, drafted, batch, q)
         if draft.size(1) == 0 and q is None:  # no row drafted: a plain step
             return _Block.last_tokens(batch, self.pad)

@@ -139,25 +139,11 @@ class AutoDrafter(LookupDrafter):
         return self.table.continuation(output, length)
 
     # ------------------------------------------------------------------ quiet spells
-    def drafts_now(self, active_rows: int) -> bool:
-        # a drafter model proposes from each verification: never skipped
-        state = self._batch_state()
-        spell = getattr(state, "quiet", None)
-        if spell is None or self.model is not None:
-            return True
-        if spell.step(active_rows):  # rows that finish change the prices: the spell ends
-            if self.prices.measured:
-                self.clock.open = None  # its time would span the skipped iterations
-            self._count_none(active_rows)
-            return False
-        state.quiet = None
-        self.skipped += spell.skipped
-        return True
-
-    def skip(self):
-        self.skipped += 1
+    # (a drafter model proposes from each verification: with one, no spell is ever set)
+    def _not_asked(self, active_rows: int):
         if self.prices.measured:
-            self.clock.open = None
+            self.clock.open = None  # its time would span the iterations not asked
+        self._count_none(active_rows)
 
     def _catch_up(self):
         """The iterations that passed without ``propose`` count towards the rows' probes."""

@@ -272,11 +272,14 @@ class Drafter:
     # True for a drafter that never drafts (NoDrafter): the engine then builds one-position
     # blocks directly and keeps no back-off
     drafts_nothing = False
+    # True for a drafter with quiet spells (drafts_now): the engine may then also skip asking
+    # it where the back-off leaves no row room (it counts such iterations, ``skip``)
+    quiet_spells = False
 
     # The attributes a drafter sets per batch (in ``start``, ``propose``, ``observe``), with
     # their values before any is set. They live in an object of the calling thread, so threads
     # that share one generator, and so its drafter, each decode their own batch.
-    BATCH_STATE = {"draft_probs": None}
+    BATCH_STATE = {"draft_probs": None, "host_drafts": None}
 
     def _batch_state(self):
         local = self.__dict__.get("_threads")
@@ -337,9 +340,9 @@ class Drafter:
         a greedy step costs. A drafter answering False counts such iterations itself."""
         return True
 
-    def skip(self):
-        """An iteration passed without ``propose`` although ``drafts_now`` said True (the
-        engine's back-off left no row room to draft)."""
+    def skip(self, active_rows: int):
+        """An iteration of ``active_rows`` rows passed without ``propose`` although
+        ``drafts_now`` said True (the engine's back-off left no row room to draft)."""
 
     def observe(self, rows: Tensor, features: Tensor, last: Tensor, tokens: Tensor = None):
         """Called after each verification with the verifier's (B, d) features after each row's

@@ -86,8 +86,9 @@ class CopyDrafter(Drafter):
 
     BATCH_STATE = dict(Drafter.BATCH_STATE, on_cpu=True, sources=None, positions=None,
                        last_match=None, outputs=None, caps=None, _drafted=None, clock=None,
-                       quiet=None, skipped=0, host_drafts=None)
+                       quiet=None, skipped=0)
     observes_features = False  # observe reads only how much of each draft was accepted
+    quiet_spells = True
 
     def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False,
                  prices: IterationPrices = None):
@@ -215,13 +216,18 @@ class CopyDrafter(Drafter):
         if spell is None:
             return True
         if spell.step(active_rows):  # rows that finish change the prices: the spell ends
+            self._not_asked(active_rows)
             return False
         state.quiet = None
         self.skipped += spell.skipped
         return True
 
-    def skip(self):
+    def skip(self, active_rows: int):
         self.skipped += 1
+        self._not_asked(active_rows)
+
+    def _not_asked(self, active_rows: int):
+        """An iteration passed without ``propose`` (subclasses keep their statistics)."""
 
     def _catch_up(self):
         """The iterations that passed without ``propose`` count towards the rows' probes."""
