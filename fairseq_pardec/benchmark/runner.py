@@ -429,14 +429,19 @@ def iteration_cost(row, greedy_row):
     return per_call / (greedy_row["wall_time_s"] / greedy_row["decoder_calls"])
 
 
-def get_parser():
-    p = argparse.ArgumentParser(prog="python -m fairseq_pardec.benchmark", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(p):
+    """The data, the checkpoint and the split: what every benchmark command line loads."""
     p.add_argument("data", help="fairseq-preprocess output directory")
     p.add_argument("--path", required=True, help="checkpoint of the (verifier) model")
     p.add_argument("-s", "--source-lang", default=None)
     p.add_argument("-t", "--target-lang", default=None)
     p.add_argument("--gen-subset", default="test")
+
+
+def get_parser():
+    p = argparse.ArgumentParser(prog="python -m fairseq_pardec.benchmark", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p)
     p.add_argument("--no-step-table", dest="step_table", action="store_false",
                    help="skip the table of ms per decoder call by batch and block size")
     p.add_argument("--generators", nargs="+", default=["beam:beam=5", "greedy", "iad"],
@@ -462,16 +467,17 @@ def get_parser():
     return p
 
 
-def cli_main(argv=None):
+def cli_main(argv=None, parser=None, command=None):
     """The command line: errors of ours, and fairseq's known failures on bad files, become one
     line (exit status 1), as in fairseq's CLIs; anything else keeps its traceback. Ctrl-C and
-    SIGTERM end it in one line too (the boundary's)."""
+    SIGTERM end it in one line too (the boundary's). ``parser`` and ``command``: another of the
+    benchmark's command lines (draft_ceiling) behind the same boundary."""
     if running_a_cli():
         # ``python -m`` imports the package while sys.argv[0] is still "-m", so importing the
         # plugin did not install the boundary for this command line
         install_cli_boundary()
     try:
-        return main(get_parser().parse_args(argv))
+        return (command or main)((parser or get_parser)().parse_args(argv))
     except Exception as error:
         line = one_line(error)
         if line is None:

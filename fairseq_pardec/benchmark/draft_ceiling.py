@@ -1,0 +1,167 @@
+"""How many tokens an iteration could keep with the drafters that need no model: counts, no timing.
+
+Verification is exact, so a draft keeps exactly its longest prefix that agrees with greedy
+decoding's continuation, and every iteration adds one token of the verifier's own. Given a
+model's greedy outputs, the draft of the copy drafter (iad's match) and of lookup (the source and
+the output itself) after every prefix can therefore be scored without decoding. This module walks
+each greedy output as the engine would and counts, per drafting rule:
+
+* ``copy`` / ``lookup``: every iteration drafts ``cap`` tokens with that drafter;
+* ``best of both``: every iteration verifies whichever of the two drafts keeps more, chosen with
+  hindsight. No rule that picks one of them per row and iteration (``--generator auto``'s
+  choice) keeps more tokens per iteration at that cap;
+* ``cap=kept``: every draft is cut to exactly the tokens it keeps, chosen with hindsight (no
+  rejected position is verified): the ceiling of any rule of draft lengths for that drafter.
+
+Speed is tokens per iteration over an iteration's cost; what a verified position costs against a
+plain iteration is the machine's (the benchmark's step table, docs/results.md). The counts say
+how far drafting could go on a model before anything is timed: where ``best of both`` keeps
+barely more than ``lookup``, mixing the two per row cannot make auto much faster than lookup.
+
+    python -m fairseq_pardec.benchmark.draft_ceiling DATA --path CKPT [-s SRC -t TGT]
+"""
+
+import argparse
+from argparse import Namespace
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from fairseq_pardec.decoding.draft_verify.drafters.auto import COPY, LOOKUP, AutoDrafter
+from fairseq_pardec.decoding.draft_verify.drafters.pricing import FixedPrices
+from fairseq_pardec.errors import UsageError
+
+BEST = "best of both"
+KINDS = {"copy": (COPY,), "lookup": (LOOKUP,), BEST: (COPY, LOOKUP)}
+
+
+def kept(draft: Sequence[int], continuation: Sequence[int]) -> int:
+    """How many of ``draft``'s tokens exact verification keeps against ``continuation``."""
+    count = 0
+    for drafted, greedy in zip(draft, continuation):
+        if drafted != greedy:
+            break
+        count += 1
+    return count
+
+
+class SentenceDrafts:
+    """The copy and lookup drafts of one sentence after a growing prefix of its output (the
+    drafters' own matching, their state carried from one prefix to the next as in decoding)."""
+
+    def __init__(self, src_dict, tgt_dict, src_tokens: torch.Tensor, bos: int):
+        self.drafter = AutoDrafter(src_dict, tgt_dict, prices=FixedPrices())
+        self.drafter.start({"net_input": {"src_tokens": src_tokens.view(1, -1)}}, None, bos)
+        self.output = self.drafter.outputs[0]  # BOS + the prefix, extended in place
+
+    def draft(self, kind: str, prefix: Sequence[int], cap: int) -> List[int]:
+        self.output.extend(prefix[len(self.output) - 1:])
+        return self.drafter._cheap_draft(kind, 0, len(prefix), cap)
+
+
+def walk(drafts: SentenceDrafts, output: Sequence[int], kinds, cap: int,
+         cut_to_kept: bool = False) -> tuple:
+    """(iterations, verified positions) of decoding ``output`` when each iteration verifies the
+    draft of ``kinds`` that keeps the most (of at most ``cap`` tokens; cut to what it keeps
+    where ``cut_to_kept``)."""
+    done = iterations = positions = 0
+    while done < len(output):
+        continuation = output[done:]
+        best_kept, best_length = None, 0
+        for kind in kinds:  # the most kept, the shorter draft among equals
+            draft = drafts.draft(kind, output[:done], cap)
+            keeps = kept(draft, continuation)
+            length = keeps if cut_to_kept else len(draft)
+            if best_kept is None or (keeps, -length) > (best_kept, -best_length):
+                best_kept, best_length = keeps, length
+        iterations += 1
+        positions += 1 + best_length
+        done += min(best_kept + 1, len(continuation))
+    return iterations, positions
+
+
+def ceilings(sentences, src_dict, tgt_dict, bos: int, caps: Sequence[int]) -> List[dict]:
+    """One row per rule and cap: tokens per iteration and verified positions per token over
+    ``sentences``, (source tokens, greedy output tokens) pairs."""
+    rows = []
+    tokens = sum(len(output) for _, output in sentences)
+    for cap in list(caps) + [None]:
+        for name, kinds in KINDS.items():
+            iterations = positions = 0
+            for source, output in sentences:
+                drafts = SentenceDrafts(src_dict, tgt_dict, source, bos)
+                i, p = walk(drafts, output, kinds, cap or len(output), cut_to_kept=cap is None)
+                iterations += i
+                positions += p
+            rows.append(dict(rule=name, cap="kept" if cap is None else cap,
+                             tokens_per_iteration=tokens / max(1, iterations),
+                             positions_per_token=positions / max(1, tokens)))
+    return rows
+
+
+def markdown(rows: List[dict], meta: Dict) -> str:
+    lines = ["%d sentences, %d greedy tokens (%s)" % (meta["sentences"], meta["tokens"],
+                                                      meta["data"]), "",
+             "| rule | cap | tokens / iteration | verified positions / token |",
+             "|---|---:|---:|---:|"]
+    for row in rows:
+        lines.append("| %s | %s | %.3f | %.3f |" % (row["rule"], row["cap"],
+                                                     row["tokens_per_iteration"],
+                                                     row["positions_per_token"]))
+    return "\n".join(lines)
+
+
+def greedy_outputs(args) -> tuple:
+    """(task, [(source tokens, greedy output)]) of the first ``--max-sentences`` sentences,
+    decoded with lean_greedy (identical to fairseq's greedy search)."""
+    from fairseq_pardec.benchmark import runner
+
+    task, model, use_cuda, utils = runner.load(args)
+    dataset = task.dataset(args.gen_subset)
+    samples = runner.batches(task, model, dataset, 32, args.max_sentences, use_cuda, utils)
+    generator = runner.build(task, model, runner.parse_spec("lean_greedy"), args, use_cuda)
+    outputs, _ = runner.decode(task, model, generator, samples)
+    sentences = [(dataset[sid]["source"], outputs[sid].tolist()) for sid in sorted(outputs)]
+    return task, sentences
+
+
+def get_parser():
+    from fairseq_pardec.benchmark import runner
+
+    p = argparse.ArgumentParser(prog="python -m fairseq_pardec.benchmark.draft_ceiling",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    runner.add_model_arguments(p)
+    p.add_argument("--max-sentences", type=int, default=300, help="first N sentences only")
+    p.add_argument("--caps", type=int, nargs="+", default=[4, 8, 16],
+                   help="draft lengths to count (a row for each, and one cut to what is kept)")
+    p.add_argument("--max-len-a", type=float, default=1.2)
+    p.add_argument("--max-len-b", type=int, default=10)
+    p.add_argument("--cpu", action="store_true")
+    return p
+
+
+def main(args, out=print):
+    if args.max_sentences is not None and args.max_sentences < 1:
+        raise UsageError("--max-sentences must be >= 1 (got %d)" % args.max_sentences)
+    low = [cap for cap in args.caps if cap < 1]
+    if low:
+        raise UsageError("--caps must be >= 1 (got %d)" % low[0])
+    args = Namespace(**vars(args), fp16=False, bf16=False)
+    task, sentences = greedy_outputs(args)
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    rows = ceilings(sentences, src_dict, tgt_dict, tgt_dict.eos(), args.caps)
+    meta = dict(sentences=len(sentences), tokens=sum(len(o) for _, o in sentences),
+                data=args.data)
+    out(markdown(rows, meta))
+    return rows
+
+
+def cli_main(argv: Optional[List[str]] = None):
+    from fairseq_pardec.benchmark.runner import cli_main as benchmark_cli
+
+    return benchmark_cli(argv, parser=get_parser, command=main)
+
+
+if __name__ == "__main__":
+    cli_main()
