@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 import torch
 
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
-                                                                QuietSpell)
+                                                                ProbeSchedule, QuietSpell)
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (IterationPrices,
                                                                   MeasuredPrices, draft_gain,
@@ -40,12 +40,9 @@ class AutoDrafter(LookupDrafter):
     """Chooses, per row and iteration, among copy, lookup, n-gram and an optional drafter model
     (see the module's text)."""
 
-    BATCH_STATE = dict(LookupDrafter.BATCH_STATE, kind_caps=None, chosen=None, idle=None,
-                       probe_wait=None, probing=None)
+    BATCH_STATE = dict(LookupDrafter.BATCH_STATE, kind_caps=None, chosen=None, row_probes=None)
     # most iterations a quiet spell lasts under measured prices (they must go on measuring)
     LONGEST_MEASURED_QUIET = 64
-    PROBE_AFTER = AdaptiveCaps.PROBE_AFTER
-    LONGEST_PROBE_WAIT = AdaptiveCaps.LONGEST_PROBE_WAIT
 
     def __init__(self, src_dict, tgt_dict, table: Optional[NgramTable] = None,
                  prices: IterationPrices = None, model=None, model_kind: Optional[str] = None):
@@ -74,9 +71,8 @@ class AutoDrafter(LookupDrafter):
         self.kind_caps = {kind: AdaptiveCaps(rows, float("inf"), "cpu", self.histories[kind])
                           for kind in self.kinds}
         self.chosen = [None] * rows  # per batch row: (kind, draft length) of the last propose
-        self.idle = [0] * rows
-        self.probe_wait = [self.probes.probe_wait] * rows
-        self.probing = [False] * rows
+        # a row's probes try its most accepted cheap drafter, whichever: one schedule per row
+        self.row_probes = ProbeSchedule(rows, self.probes)
         self.quiet, self.skipped = self._quiet_at_start(rows), 0
         if self.model is not None:
             self.model.start(sample, encoder_out, bos)
@@ -90,7 +86,7 @@ class AutoDrafter(LookupDrafter):
         if value > position and self._options(0, self._ceiling(rows), value, position,
                                               drafting_row, self.cheap):
             return None
-        spell = math.inf if value <= position else self.probe_wait[0]
+        spell = math.inf if value <= position else self.row_probes.wait[0]
         if self.prices.measured:
             spell = min(spell, self.LONGEST_MEASURED_QUIET)
         return QuietSpell(rows, spell)
@@ -116,12 +112,8 @@ class AutoDrafter(LookupDrafter):
     def _probe(self, row: int) -> List[tuple]:
         """After its wait, a row that drafts nothing tries one token of its cheap drafters,
         the most accepted first; the next probe waits twice as long."""
-        self.idle[row] += 1
-        if self.idle[row] <= self.probe_wait[row]:
+        if not self.row_probes.probes_now(row):
             return []
-        self.idle[row] = 0
-        self.probe_wait[row] = min(2 * self.probe_wait[row], self.LONGEST_PROBE_WAIT)
-        self.probing[row] = True
         rates = [(self.kind_caps[kind].acceptance_rate(row), kind) for kind in self.cheap]
         rates.sort(key=lambda rate: -rate[0])
         return [(0.0, kind, 1) for _, kind in rates]
@@ -148,18 +140,13 @@ class AutoDrafter(LookupDrafter):
     def _catch_up(self):
         """The iterations that passed without ``propose`` count towards the rows' probes."""
         if self.skipped:
-            skipped = self.skipped
-            self.idle = [i + skipped for i in self.idle]
+            self.row_probes.skip(self.skipped)
             self.skipped = 0
 
     def _quiet_after(self, row_ids, limits, active: int, nothing_pays: bool):
         """After an iteration in which no row drafted or probed: for how many iterations none
         will (until a row's probe, or for good where not even a certain token pays)."""
-        if nothing_pays:
-            spell = math.inf
-        else:
-            spell = min((self.probe_wait[row] - self.idle[row]
-                         for row, limit in zip(row_ids, limits) if limit > 0), default=math.inf)
+        spell = math.inf if nothing_pays else self.row_probes.quiet_for(row_ids, limits)
         if self.prices.measured:
             spell = min(spell, self.LONGEST_MEASURED_QUIET)
         self.quiet = QuietSpell(active, spell) if spell > 0 else None
@@ -185,7 +172,7 @@ class AutoDrafter(LookupDrafter):
             options = self._options(row, limit, value, position, drafting_row,
                                     self.cheap + model_kinds) if limit > 0 else []
             if options:
-                self.idle[row] = 0
+                self.row_probes.drafts(row)
             elif limit > 0:
                 options = self._probe(row)
             plans.append(options)
@@ -308,11 +295,7 @@ class AutoDrafter(LookupDrafter):
                 group[0].append(row)
                 group[1].append(length)
                 group[2].append(kept)
-                if kept > 0:
-                    self.probe_wait[row] = self.PROBE_AFTER
-                if self.probing[row]:
-                    self.probing[row] = False
-                    self.probes.probed(kept > 0)
+                self.row_probes.outcome(row, kept)
                 if stats is not None:
                     stats.drafter_accepted[kind] = (stats.drafter_accepted.get(kind, 0)
                                                     + min(kept, length))

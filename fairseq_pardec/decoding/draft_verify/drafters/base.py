@@ -22,6 +22,62 @@ def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
     return out.to(device), torch.tensor(lengths, dtype=torch.long).to(device)
 
 
+class ProbeSchedule:
+    """When the rows that draft nothing try again (CPU lists): per row, the iterations since it
+    last drafted and how long it waits for its next probe, one draft token. The wait starts at
+    ``PROBE_AFTER``, doubles after each probe up to ``LONGEST_PROBE_WAIT`` while probes fail,
+    and starts over once a draft token is kept. With a ``history`` (AcceptanceHistory) a fresh
+    row's first wait is what the drafter's last probing row waited, and every probe's outcome
+    goes there. AdaptiveCaps keeps one per drafter, auto one for its rows whatever the drafter."""
+
+    PROBE_AFTER = 8
+    LONGEST_PROBE_WAIT = 64
+
+    def __init__(self, rows: int, history: "AcceptanceHistory" = None):
+        first_wait = self.PROBE_AFTER if history is None else history.probe_wait
+        self.history = history
+        self.idle = [0] * rows
+        self.wait = [first_wait] * rows
+        self.probing = [False] * rows
+
+    def drafts(self, row: int):
+        """The row drafts in this iteration (not a probe): its wait starts over."""
+        self.idle[row] = 0
+
+    def probes_now(self, row: int) -> bool:
+        """An iteration in which no draft pays for the row: whether it probes in it (its wait
+        is over; the next one then waits twice as long)."""
+        self.idle[row] += 1
+        if self.idle[row] <= self.wait[row]:
+            return False
+        self.idle[row] = 0
+        self.wait[row] = min(2 * self.wait[row], self.LONGEST_PROBE_WAIT)
+        self.probing[row] = True
+        return True
+
+    def outcome(self, row: int, kept: float):
+        """After the row's draft was verified: ``kept`` draft tokens were accepted."""
+        if kept > 0:
+            self.wait[row] = self.PROBE_AFTER
+        if self.probing[row]:
+            self.probing[row] = False
+            if self.history is not None:
+                self.history.probed(kept > 0)
+
+    def quiet_for(self, rows: List[int], limits: Optional[List[int]] = None) -> float:
+        """How many iterations surely pass before the first of ``rows`` probes (rows whose
+        ``limits`` is 0 never do)."""
+        idle, waits = self.idle, self.wait
+        if limits is None:
+            return min(waits[r] - idle[r] for r in rows)
+        return min((waits[r] - idle[r] for r, limit in zip(rows, limits) if limit > 0),
+                   default=math.inf)
+
+    def skip(self, iterations: int):
+        """``iterations`` passed without the rows being asked: their waits move on by them."""
+        self.idle = [i + iterations for i in self.idle]
+
+
 class AdaptiveCaps:
     """Per-row draft caps that follow acceptance: a row drafts at most twice its recent mean of
     accepted draft tokens, plus one (an exponential mean, weight 1/2 on the last iteration).
@@ -58,8 +114,8 @@ class AdaptiveCaps:
     CEILING = 2 ** 30
     PRIOR_ACCEPTED, PRIOR_REJECTED = 0.95, 0.05
     RATE_DECAY = 0.75  # weight of a row's earlier drafts in its acceptance rate, per draft
-    PROBE_AFTER = 8
-    LONGEST_PROBE_WAIT = 64
+    PROBE_AFTER = ProbeSchedule.PROBE_AFTER
+    LONGEST_PROBE_WAIT = ProbeSchedule.LONGEST_PROBE_WAIT
 
     def __init__(self, rows: int, initial: float, device, history: "AcceptanceHistory" = None):
         self.on_host = torch.device(device).type == "cpu"
@@ -72,11 +128,8 @@ class AdaptiveCaps:
             self.mean = [float(initial)] * rows
             self.accepted = [0.0] * rows
             self.rejected = [0.0] * rows
-            self.idle = [0] * rows
             # a fresh row waits as long for its first probe as the drafter's last rows did
-            first_wait = self.PROBE_AFTER if history is None else history.probe_wait
-            self.probe_wait = [first_wait] * rows
-            self.probing = [False] * rows
+            self.probes = ProbeSchedule(rows, history)
         else:
             self.mean = torch.full((rows,), float(initial), dtype=torch.float64, device=device)
 
@@ -115,18 +168,14 @@ class AdaptiveCaps:
         if value <= position:  # not even a certain token pays: no draft, and no probe
             return [0] * len(rows)
         caps = []
-        mean, idle, waits = self.mean, self.idle, self.probe_wait
+        mean, probes = self.mean, self.probes
         for r, limit in zip(rows, limits):
             cap = min(limit, int(min(2 * mean[r], self.CEILING)) + 1)
             length = paying_length(self.acceptance_rate(r), value, position, drafting_row, cap)
             if length > 0:
-                idle[r] = 0
-            elif cap > 0:
-                idle[r] += 1
-                if idle[r] > waits[r]:  # a probe; the next one waits twice as long
-                    idle[r], length = 0, 1
-                    waits[r] = min(2 * waits[r], self.LONGEST_PROBE_WAIT)
-                    self.probing[r] = True
+                probes.drafts(r)
+            elif cap > 0 and probes.probes_now(r):
+                length = 1
             caps.append(length)
         return caps
 
@@ -136,15 +185,9 @@ class AdaptiveCaps:
         rate = self.acceptance_rate(row)
         length = int(math.log(threshold) / math.log(rate)) if threshold > 0.0 else 0
         if length >= 1:
-            self.idle[row] = 0
+            self.probes.drafts(row)
             return length
-        self.idle[row] += 1
-        if self.idle[row] > self.probe_wait[row]:  # a probe; the next one waits twice as long
-            self.idle[row] = 0
-            self.probe_wait[row] = min(2 * self.probe_wait[row], self.LONGEST_PROBE_WAIT)
-            self.probing[row] = True
-            return 1
-        return 0
+        return 1 if self.probes.probes_now(row) else 0
 
     def quiet_for(self, rows: List[int], limits: Optional[List[int]] = None,
                   nothing_pays: bool = False) -> float:
@@ -154,16 +197,12 @@ class AdaptiveCaps:
         rates do not change meanwhile: nothing is drafted."""
         if nothing_pays:
             return math.inf
-        idle, waits = self.idle, self.probe_wait
-        if limits is None:
-            return min(waits[r] - idle[r] for r in rows)
-        return min((waits[r] - idle[r] for r, limit in zip(rows, limits) if limit > 0),
-                   default=math.inf)
+        return self.probes.quiet_for(rows, limits)
 
     def skip(self, iterations: int):
         """``iterations`` passed without a ``host_caps`` call (the drafter was quiet): every
         row's wait for its probe moves on by them."""
-        self.idle = [i + iterations for i in self.idle]
+        self.probes.skip(iterations)
 
     def update(self, rows: Tensor, drafted: Tensor, accepted: Tensor):
         """After a verification: ``drafted`` (B,) draft lengths, ``accepted`` (B,) draft tokens
@@ -187,13 +226,9 @@ class AdaptiveCaps:
                 mean[r] = kept if math.isinf(mean[r]) else 0.5 * (mean[r] + kept)
                 rate_accepted[r] = self.RATE_DECAY * rate_accepted[r] + kept
                 rate_rejected[r] = self.RATE_DECAY * rate_rejected[r] + (kept < tried)
-                if kept > 0:
-                    self.probe_wait[r] = self.PROBE_AFTER
                 if history is not None:
                     history.update(kept, kept < tried, mean[r])
-                    if self.probing[r]:
-                        history.probed(kept > 0)
-                self.probing[r] = False
+                self.probes.outcome(r, kept)
 
 
 class QuietSpell:
@@ -229,7 +264,7 @@ class AcceptanceHistory:
         # how long a fresh row waits for its first probe: as long as the last probe's row
         # waited after it (doubling while probes fail, up to LONGEST_PROBE_WAIT): on a model
         # whose drafts are rejected, short sentences do not each pay for a probe
-        self.probe_wait = AdaptiveCaps.PROBE_AFTER
+        self.probe_wait = ProbeSchedule.PROBE_AFTER
         # the mean of the rows' recent means of accepted draft tokens (a fresh row's first cap)
         self.mean_accepted = None
 
@@ -238,8 +273,8 @@ class AcceptanceHistory:
 
     def probed(self, accepted: bool):
         """A row's probe (one draft token after its wait) was accepted or not."""
-        self.probe_wait = (AdaptiveCaps.PROBE_AFTER if accepted
-                           else min(2 * self.probe_wait, AdaptiveCaps.LONGEST_PROBE_WAIT))
+        self.probe_wait = (ProbeSchedule.PROBE_AFTER if accepted
+                           else min(2 * self.probe_wait, ProbeSchedule.LONGEST_PROBE_WAIT))
 
     def update(self, kept: float, rejected: bool, row_mean: Optional[float] = None):
         self.accepted = self.DECAY * self.accepted + kept

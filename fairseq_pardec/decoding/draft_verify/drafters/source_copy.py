@@ -153,7 +153,7 @@ class CopyDrafter(Drafter):
         rate = self.caps.acceptance_rate(0)  # every row's, fresh
         if paying_length(rate, value, position, drafting_row, AdaptiveCaps.CEILING) > 0:
             return None
-        return QuietSpell(rows, self.caps.probe_wait[0])
+        return QuietSpell(rows, self.caps.probes.wait[0])
 
 
     def _match(self, row: int, output: List[int]):
