@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # GPU checks of the static decoder step, in under 8 minutes on one GPU:
-#   1. the CUDA tests (pytest -m cuda tests/test_cuda.py): graph replay against eager, bucket
-#      padding, rows leaving mid-bucket, no device read inside a call, the engine against
-#      fairseq greedy in float32, the float16 divergence audit;
+#   1. the CUDA tests (pytest -m cuda tests/test_cuda.py tests/test_cuda_guard.py): graph replay
+#      against eager, bucket padding, rows leaving mid-bucket, no device read inside a call, the
+#      engine against fairseq greedy in float32, the float16 divergence audit, the CUDA step's
+#      measured rounding against its declared margin and the guard on crafted near-ties;
 #   2. the step table on CUDA for a d256 3+3 Transformer built in the process (random weights,
 #      8,000 words; a step's cost does not depend on what the weights learned): ms per call at
 #      batch 1 and 32, fairseq's step beside the engine's blocks of 1/4/8/16, float32 and
 #      float16, and the kernel time of a one-position call (torch profiler);
 #   3. with checkpoints prepared by ../shared/gpu/prepare.sh (.gpu/models/NAME/), the benchmark's
-#      own step table and generators on their first 60 test sentences, at most two models.
+#      own step table and generators (auto with the measured prices beside lean_greedy, iad and
+#      lookup) on their first 60 test sentences, at most two models.
 # On the GPU machine: bash .gpu/on-device.sh bash examples/gpu-checks.sh (carry .gpu along).
 # Results go to $OUT (default gpu-out/), 8 files at most: checks.txt (the log), pytest-cuda.txt,
 # step-table.md/.json, bench-NAME.md/.json per model.
@@ -23,8 +25,9 @@ log() { echo "[gpu-checks +$(( $(date +%s) - started ))s] $*" | tee -a "$OUT/che
 
 log "torch $($PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")' 2>&1)"
 
-log "1/3 pytest -m cuda tests/test_cuda.py"
-timeout 240 "$PYTHON" -m pytest -m cuda -q -rs -s tests/test_cuda.py > "$OUT/pytest-cuda.txt" 2>&1
+log "1/3 pytest -m cuda tests/test_cuda.py tests/test_cuda_guard.py"
+timeout 240 "$PYTHON" -m pytest -m cuda -q -rs -s tests/test_cuda.py tests/test_cuda_guard.py \
+    > "$OUT/pytest-cuda.txt" 2>&1
 log "    exit $? ($(tail -n 1 "$OUT/pytest-cuda.txt"))"
 
 log "2/3 step table on CUDA (in-process d256 3+3 model)"
@@ -71,7 +74,7 @@ for dir in .gpu/models/*/; do
     if [ $remaining -lt 60 ]; then log "    $name: skipped, ${remaining}s left"; break; fi
     # at most 8 files come back from the machine: the tables, and the log's end on failure
     timeout $remaining "$PYTHON" -m fairseq_pardec.benchmark "$dir" --path "$dir/ckpt.pt" \
-        --generators greedy lean_greedy iad lookup --batch-sizes 1 32 --max-sentences 60 \
+        --generators greedy lean_greedy iad lookup auto --batch-sizes 1 32 --max-sentences 60 \
         --repeats 1 --warmup-sentences 8 --no-progress --out-dir "/tmp/bench-$name" \
         > "/tmp/bench-$name.txt" 2>&1
     status=$?
