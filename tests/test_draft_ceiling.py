@@ -81,8 +81,11 @@ def test_command_line(cli_data, stock_checkpoint):
             assert float(per_token) <= 1.0 + 9 / tokens + 1e-3
 
 
-def test_bad_caps_are_one_line(cli_data, stock_checkpoint):
+def test_bad_input_is_one_line(cli_data, stock_checkpoint):
     _, data = cli_data
     proc = run("fairseq_pardec.benchmark.draft_ceiling", data, "--path",
                stock_checkpoint / "checkpoint_last.pt", "--caps", 0, check=False)
     assert_clean_error(proc, "--caps must be >= 1")
+    proc = run("fairseq_pardec.benchmark.draft_ceiling", data, "--path", data / "no-such.pt",
+               check=False)
+    assert_clean_error(proc, "checkpoint", "no-such.pt", "does not exist")

@@ -147,6 +147,9 @@ def main(args, out=print):
     low = [cap for cap in args.caps if cap < 1]
     if low:
         raise UsageError("--caps must be >= 1 (got %d)" % low[0])
+    from fairseq_pardec.benchmark import runner
+
+    runner.check_paths(args)
     args = Namespace(**vars(args), fp16=False, bf16=False)
     task, sentences = greedy_outputs(args)
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary

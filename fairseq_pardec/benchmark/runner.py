@@ -514,12 +514,17 @@ def check_numbers(args):
         raise UsageError("--batch-sizes must be >= 1 (got %d)" % low[0])
 
 
-def main(args):
-    check_numbers(args)
+def check_paths(args):
+    """The data directory and the checkpoint, named in one line where missing."""
     if not os.path.isdir(args.data):
         raise UsageError("data directory %r does not exist" % args.data)
     if not os.path.isfile(args.path):
         raise UsageError("checkpoint %r does not exist (--path)" % args.path)
+
+
+def main(args):
+    check_numbers(args)
+    check_paths(args)
     for spec in args.generators:  # before minutes of loading and decoding
         parse_spec(spec)
     make_out_dir(args.out_dir)
