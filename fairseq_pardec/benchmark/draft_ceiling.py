@@ -150,6 +150,7 @@ def main(args, out=print):
     from fairseq_pardec.benchmark import runner
 
     runner.check_paths(args)
+    runner.quiet_logs()
     args = Namespace(**vars(args), fp16=False, bf16=False)
     task, sentences = greedy_outputs(args)
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary

@@ -522,6 +522,21 @@ def check_paths(args):
         raise UsageError("checkpoint %r does not exist (--path)" % args.path)
 
 
+def quiet_logs():
+    """Warnings and errors only: fairseq and hydra log every dataset load and deprecation, and
+    the report must stay readable."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from fairseq_pardec.compat import restore_log_level
+
+    restore_log_level()  # also when run as python -m, which importing the plugin leaves alone
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for name in ("fairseq", "hydra", "fairseq_pardec"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(args):
     check_numbers(args)
     check_paths(args)
@@ -535,17 +550,7 @@ def main(args):
         warn("--repeats %d: the timings are from %s, which may still include one-time costs; "
              "use --repeats 3 or more for timings to compare"
              % (args.repeats, "one run" if args.repeats == 1 else "%d runs" % args.repeats))
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from fairseq_pardec.compat import restore_log_level
-
-    restore_log_level()  # also when run as python -m, which importing the plugin leaves alone
-    # fairseq and hydra log every dataset load and deprecation: keep the report readable
-    import warnings
-
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    for name in ("fairseq", "hydra", "fairseq_pardec"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_logs()
     meta, rows = run(args)
     table = markdown(meta, rows)
     if meta["steps"]:
