@@ -8,8 +8,8 @@ each greedy output as the engine would and counts, per drafting rule:
 
 * ``copy`` / ``lookup``: every iteration drafts ``cap`` tokens with that drafter;
 * ``best of both``: every iteration verifies whichever of the two drafts keeps more, chosen with
-  hindsight. No rule that picks one of them per row and iteration (``--generator auto``'s
-  choice) keeps more tokens per iteration at that cap;
+  hindsight: in each iteration as much as any choice between them keeps at that cap
+  (``--generator auto``'s choice is one, made without hindsight);
 * ``cap=kept``: every draft is cut to exactly the tokens it keeps, chosen with hindsight (no
   rejected position is verified): the ceiling of any rule of draft lengths for that drafter.
 
