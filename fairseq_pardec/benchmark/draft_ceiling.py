@@ -56,7 +56,7 @@ class SentenceDrafts:
 
     def draft(self, kind: str, prefix: Sequence[int], cap: int) -> List[int]:
         self.output.extend(prefix[len(self.output) - 1:])
-        return self.drafter._cheap_draft(kind, 0, len(prefix), cap)
+        return self.drafter.cheap_draft(kind, 0, len(prefix), cap)
 
 
 def walk(drafts: SentenceDrafts, output: Sequence[int], kinds, cap: int,
@@ -113,7 +113,9 @@ def markdown(rows: List[dict], meta: Dict) -> str:
 
 def greedy_outputs(args) -> tuple:
     """(task, [(source tokens, greedy output)]) of the first ``--max-sentences`` sentences,
-    decoded with lean_greedy (identical to fairseq's greedy search)."""
+    decoded with lean_greedy (identical to fairseq's greedy search) in batches of 32, as
+    fairseq-generate would with --batch-size 32 (its length limit follows each batch's longest
+    source)."""
     from fairseq_pardec.benchmark import runner
 
     task, model, use_cuda, utils = runner.load(args)

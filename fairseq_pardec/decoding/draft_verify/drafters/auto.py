@@ -118,7 +118,10 @@ class AutoDrafter(LookupDrafter):
         rates.sort(key=lambda rate: -rate[0])
         return [(0.0, kind, 1) for _, kind in rates]
 
-    def _cheap_draft(self, kind: str, row: int, n: int, length: int) -> List[int]:
+    def cheap_draft(self, kind: str, row: int, n: int, length: int) -> List[int]:
+        """Up to ``length`` tokens of the model-free drafter ``kind`` for ``row`` after its
+        output so far (``n`` tokens; a copy match moves the row's expected place in the
+        source); benchmark/draft_ceiling.py scores them on greedy outputs."""
         output = self.outputs[row]
         if kind == COPY:
             at = self._match(row, output)
@@ -192,7 +195,7 @@ class AutoDrafter(LookupDrafter):
                 if option == self.model_kind:
                     draft = model_drafts[i] if i in model_rows else []
                 else:
-                    draft = self._cheap_draft(option, row, n, length)
+                    draft = self.cheap_draft(option, row, n, length)
                 if draft:
                     kind = option
                     break
