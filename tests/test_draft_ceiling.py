@@ -1,4 +1,5 @@
-"""The draft ceiling's counts (benchmark/draft_ceiling.py): walks worked out by hand, and its command line."""
+"""The draft ceiling's counts (benchmark/draft_ceiling.py): walks worked out by hand, and its
+command line."""
 
 import re
 
@@ -7,7 +8,8 @@ import torch
 from cli_setup import assert_clean_error, run
 from helpers import make_dictionary
 
-from fairseq_pardec.benchmark.draft_ceiling import KINDS, SentenceDrafts, kept, walk
+from fairseq_pardec.benchmark.draft_ceiling import (RULES, SentenceDrafts, drafter_for, kept,
+                                                     walk)
 
 
 def ids(d, words):
@@ -15,8 +17,8 @@ def ids(d, words):
 
 
 def walked(d, source, output, rule, cap, cut_to_kept=False):
-    drafts = SentenceDrafts(d, d, torch.tensor(source), d.eos())
-    return walk(drafts, output, KINDS[rule], cap, cut_to_kept)
+    drafts = SentenceDrafts(drafter_for(d, d), torch.tensor(source), d.eos())
+    return walk(drafts, output, RULES[rule], cap, cut_to_kept)
 
 
 def test_kept_is_the_agreeing_prefix():
@@ -28,7 +30,7 @@ def test_kept_is_the_agreeing_prefix():
 def test_a_copied_sentence_takes_one_iteration():
     d = make_dictionary()
     sentence = ids(d, "w1 w2 w3 w4 w5")
-    for rule in KINDS:
+    for rule in RULES:
         # the first draft (after BOS) is the whole source, EOS included
         assert walked(d, sentence, sentence, rule, 16) == (1, 1 + 6)
         assert walked(d, sentence, sentence, rule, 16, cut_to_kept=True) == (1, 1 + 6)
@@ -48,7 +50,7 @@ def test_an_edit_costs_an_iteration_and_the_rejected_positions():
 def test_no_match_is_a_plain_step():
     d = make_dictionary()
     source, output = ids(d, "w1 w2 w3"), ids(d, "w5 w6 w7 w8")
-    for rule in KINDS:
+    for rule in RULES:
         assert walked(d, source, output, rule, 8, cut_to_kept=True) == (5, 5)
 
 
@@ -59,7 +61,7 @@ def test_best_of_both_takes_the_draft_that_keeps_more():
     # expects it (w3 w4 EOS follow, all kept), lookup the first (w5 ..., rejected)
     source, output = ids(d, "w2 w5 w1 w2 w3 w4"), ids(d, "w8 w8 w8 w2 w3 w4")
     iterations = {rule: walked(d, source, output, rule, 8, cut_to_kept=True)[0]
-                  for rule in KINDS}
+                  for rule in RULES}
     assert iterations == {"copy": 5, "lookup": 5, "best of both": 4}
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fairseq_pardec.decoding.draft_verify.drafters import CopyDrafter, SourceVocabularyMap
-from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps
+from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
+                                                                ProbeSchedule)
 
 from helpers import collate, make_dictionary
 
@@ -202,6 +203,39 @@ def test_paying_length_follows_the_acceptance_rate_and_the_price():
         caps.host_update([0], [length], [length])
     drafts = [n for n in lengths if n > 0]
     assert drafts == sorted(drafts) and drafts[-1] > 4
+
+
+def test_probe_waits_double_while_probes_fail_and_start_over_when_one_is_kept():
+    """A row that drafts nothing probes after 8 iterations, then after 16, 32 and every 64 while
+    its probes fail; a kept draft token starts the waits over; with a history a fresh row waits
+    as long as the last probing row did."""
+    history = AcceptanceHistory()
+    probes = ProbeSchedule(2, history)
+
+    def wait_for_probe(row):
+        waited = 1
+        while not probes.probes_now(row):
+            waited += 1
+        return waited
+
+    waits = []
+    for _ in range(5):
+        waits.append(wait_for_probe(0))
+        probes.verified(0, kept=0)
+    assert waits == [9, 17, 33, 65, 65]  # the probe comes after the wait's last iteration
+    assert history.probe_wait == ProbeSchedule.LONGEST_PROBE_WAIT
+    assert ProbeSchedule(1, history).wait == [ProbeSchedule.LONGEST_PROBE_WAIT]
+    # row 1 probes and keeps a token: its waits start over, and so do a fresh row's
+    assert wait_for_probe(1) == 9
+    probes.verified(1, kept=1)
+    assert probes.wait[1] == ProbeSchedule.PROBE_AFTER
+    assert ProbeSchedule(1, history).wait == [ProbeSchedule.PROBE_AFTER]
+    # a row that drafts restarts its count; iterations not asked count towards the probe
+    probes.drafted(1)
+    assert probes.quiet_for([1]) == ProbeSchedule.PROBE_AFTER
+    probes.skip(3)
+    assert probes.quiet_for([1]) == ProbeSchedule.PROBE_AFTER - 3
+    assert probes.quiet_for([0, 1], limits=[0, 0]) == math.inf  # rows that cannot draft
 
 
 def test_cpu_price_of_a_position_grows_with_the_active_rows():

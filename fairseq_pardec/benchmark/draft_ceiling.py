@@ -27,12 +27,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from fairseq_pardec.benchmark import runner
 from fairseq_pardec.decoding.draft_verify.drafters.auto import COPY, LOOKUP, AutoDrafter
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import FixedPrices
 from fairseq_pardec.errors import UsageError
 
 BEST = "best of both"
-KINDS = {"copy": (COPY,), "lookup": (LOOKUP,), BEST: (COPY, LOOKUP)}
+# each rule's name and the drafters whose drafts it compares in every iteration
+RULES = {"copy": (COPY,), "lookup": (LOOKUP,), BEST: (COPY, LOOKUP)}
 
 
 def kept(draft: Sequence[int], continuation: Sequence[int]) -> int:
@@ -45,14 +47,23 @@ def kept(draft: Sequence[int], continuation: Sequence[int]) -> int:
     return count
 
 
-class SentenceDrafts:
-    """The copy and lookup drafts of one sentence after a growing prefix of its output (the
-    drafters' own matching, their state carried from one prefix to the next as in decoding)."""
+def drafter_for(src_dict, tgt_dict) -> AutoDrafter:
+    """The drafter whose copy and lookup drafts are scored: auto's, so that the drafts are
+    exactly what ``--generator auto`` would verify (its prices are never read here)."""
+    return AutoDrafter(src_dict, tgt_dict, prices=FixedPrices())
 
-    def __init__(self, src_dict, tgt_dict, src_tokens: torch.Tensor, bos: int):
-        self.drafter = AutoDrafter(src_dict, tgt_dict, prices=FixedPrices())
-        self.drafter.start({"net_input": {"src_tokens": src_tokens.view(1, -1)}}, None, bos)
-        self.output = self.drafter.outputs[0]  # BOS + the prefix, extended in place
+
+class SentenceDrafts:
+    """The copy and lookup drafts of one sentence after a growing prefix of its output: the
+    drafter's own matching, its state carried from one prefix to the next as in decoding (the
+    sentence is a batch of one row; the drafter reads only its source tokens)."""
+
+    def __init__(self, drafter: AutoDrafter, src_tokens: torch.Tensor, bos: int):
+        self.drafter = drafter
+        drafter.start({"net_input": {"src_tokens": src_tokens.view(1, -1)}}, None, bos)
+        # BOS + the prefix so far: the drafter's own record of the row's output, which
+        # decoding extends with each iteration's accepted tokens
+        self.output = drafter.outputs[0]
 
     def draft(self, kind: str, prefix: Sequence[int], cap: int) -> List[int]:
         self.output.extend(prefix[len(self.output) - 1:])
@@ -85,11 +96,12 @@ def ceilings(sentences, src_dict, tgt_dict, bos: int, caps: Sequence[int]) -> Li
     ``sentences``, (source tokens, greedy output tokens) pairs."""
     rows = []
     tokens = sum(len(output) for _, output in sentences)
+    drafter = drafter_for(src_dict, tgt_dict)  # built once: mapping dictionaries takes time
     for cap in list(caps) + [None]:
-        for name, kinds in KINDS.items():
+        for name, kinds in RULES.items():
             iterations = positions = 0
             for source, output in sentences:
-                drafts = SentenceDrafts(src_dict, tgt_dict, source, bos)
+                drafts = SentenceDrafts(drafter, source, bos)
                 i, p = walk(drafts, output, kinds, cap or len(output), cut_to_kept=cap is None)
                 iterations += i
                 positions += p
@@ -99,7 +111,7 @@ def ceilings(sentences, src_dict, tgt_dict, bos: int, caps: Sequence[int]) -> Li
     return rows
 
 
-def markdown(rows: List[dict], meta: Dict) -> str:
+def markdown(meta: Dict, rows: List[dict]) -> str:
     lines = ["%d sentences, %d greedy tokens (%s)" % (meta["sentences"], meta["tokens"],
                                                       meta["data"]), "",
              "| rule | cap | tokens / iteration | verified positions / token |",
@@ -116,8 +128,6 @@ def greedy_outputs(args) -> tuple:
     decoded with lean_greedy (identical to fairseq's greedy search) in batches of 32, as
     fairseq-generate would with --batch-size 32 (its length limit follows each batch's longest
     source)."""
-    from fairseq_pardec.benchmark import runner
-
     task, model, use_cuda, utils = runner.load(args)
     dataset = task.dataset(args.gen_subset)
     samples = runner.batches(task, model, dataset, 32, args.max_sentences, use_cuda, utils)
@@ -128,8 +138,6 @@ def greedy_outputs(args) -> tuple:
 
 
 def get_parser():
-    from fairseq_pardec.benchmark import runner
-
     p = argparse.ArgumentParser(prog="python -m fairseq_pardec.benchmark.draft_ceiling",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,24 +157,25 @@ def main(args, out=print):
     low = [cap for cap in args.caps if cap < 1]
     if low:
         raise UsageError("--caps must be >= 1 (got %d)" % low[0])
-    from fairseq_pardec.benchmark import runner
-
     runner.check_paths(args)
     runner.quiet_logs()
+    # the greedy outputs in float32, the contract's precision (runner.load_model reads these)
     args = Namespace(**vars(args), fp16=False, bf16=False)
     task, sentences = greedy_outputs(args)
+    if not sentences:
+        raise UsageError("no sentences to count in %s's %r split (after --max-sentences %s and "
+                         "the model's length limit); give a split with sentences (--gen-subset)"
+                         % (args.data, args.gen_subset, args.max_sentences))
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
     rows = ceilings(sentences, src_dict, tgt_dict, tgt_dict.eos(), args.caps)
     meta = dict(sentences=len(sentences), tokens=sum(len(o) for _, o in sentences),
                 data=args.data)
-    out(markdown(rows, meta))
+    out(markdown(meta, rows))
     return rows
 
 
 def cli_main(argv: Optional[List[str]] = None):
-    from fairseq_pardec.benchmark.runner import cli_main as benchmark_cli
-
-    return benchmark_cli(argv, parser=get_parser, command=main)
+    return runner.cli_main(argv, make_parser=get_parser, command=main)
 
 
 if __name__ == "__main__":

@@ -467,17 +467,17 @@ def get_parser():
     return p
 
 
-def cli_main(argv=None, parser=None, command=None):
+def cli_main(argv=None, make_parser=None, command=None):
     """The command line: errors of ours, and fairseq's known failures on bad files, become one
     line (exit status 1), as in fairseq's CLIs; anything else keeps its traceback. Ctrl-C and
-    SIGTERM end it in one line too (the boundary's). ``parser`` and ``command``: another of the
-    benchmark's command lines (draft_ceiling) behind the same boundary."""
+    SIGTERM end it in one line too (the boundary's). ``make_parser`` and ``command``: another of
+    the benchmark's command lines (draft_ceiling) behind the same boundary."""
     if running_a_cli():
         # ``python -m`` imports the package while sys.argv[0] is still "-m", so importing the
         # plugin did not install the boundary for this command line
         install_cli_boundary()
     try:
-        return (command or main)((parser or get_parser)().parse_args(argv))
+        return (command or main)((make_parser or get_parser)().parse_args(argv))
     except Exception as error:
         line = one_line(error)
         if line is None:

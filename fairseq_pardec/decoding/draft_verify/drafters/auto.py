@@ -55,7 +55,7 @@ class AutoDrafter(LookupDrafter):
         self.kinds = self.cheap + ([self.model_kind] if model is not None else [])
         self.histories = {kind: AcceptanceHistory() for kind in self.kinds}
         # the rows' probes, across batches: a fresh row's first wait (AcceptanceHistory.probed)
-        self.probes = AcceptanceHistory()
+        self.probe_history = AcceptanceHistory()
         self.heads = model is not None and model_kind == "blockwise"
         self.observes_features = self.heads
         self.stats = None  # the generator's DecodeStats (drafters' shares), set by the builder
@@ -72,7 +72,7 @@ class AutoDrafter(LookupDrafter):
                           for kind in self.kinds}
         self.chosen = [None] * rows  # per batch row: (kind, draft length) of the last propose
         # a row's probes try its most accepted cheap drafter, whichever: one schedule per row
-        self.row_probes = ProbeSchedule(rows, self.probes)
+        self.row_probes = ProbeSchedule(rows, self.probe_history)
         self.quiet, self.skipped = self._quiet_at_start(rows), 0
         if self.model is not None:
             self.model.start(sample, encoder_out, bos)
@@ -175,7 +175,7 @@ class AutoDrafter(LookupDrafter):
             options = self._options(row, limit, value, position, drafting_row,
                                     self.cheap + model_kinds) if limit > 0 else []
             if options:
-                self.row_probes.drafts(row)
+                self.row_probes.drafted(row)
             elif limit > 0:
                 options = self._probe(row)
             plans.append(options)
@@ -298,7 +298,7 @@ class AutoDrafter(LookupDrafter):
                 group[0].append(row)
                 group[1].append(length)
                 group[2].append(kept)
-                self.row_probes.outcome(row, kept)
+                self.row_probes.verified(row, kept)
                 if stats is not None:
                     stats.drafter_accepted[kind] = (stats.drafter_accepted.get(kind, 0)
                                                     + min(kept, length))

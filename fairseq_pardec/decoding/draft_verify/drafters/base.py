@@ -1,7 +1,10 @@
-"""The drafter interface of the draft-and-verify engine, and the drafter that drafts nothing.
+"""The drafter interface of the draft-and-verify engine, and what drafters share.
 
 A drafter gets the batch once (``start``) and is then asked, every iteration, for up to
-``max_len[b]`` draft tokens per active row given the tokens accepted so far.
+``max_len[b]`` draft tokens per active row given the tokens accepted so far. Shared by the
+drafters: the per-row caps that follow acceptance (``AdaptiveCaps``), when rows that draft
+nothing try again (``ProbeSchedule``), the iterations a drafter surely drafts nothing
+(``QuietSpell``) and its acceptance across batches (``AcceptanceHistory``).
 """
 
 import math
@@ -24,7 +27,7 @@ def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
 
 class ProbeSchedule:
     """When the rows that draft nothing try again (CPU lists): per row, the iterations since it
-    last drafted and how long it waits for its next probe, one draft token. The wait starts at
+    last drafted or probed, and how long it waits for its next probe, one draft token. The wait starts at
     ``PROBE_AFTER``, doubles after each probe up to ``LONGEST_PROBE_WAIT`` while probes fail,
     and starts over once a draft token is kept. With a ``history`` (AcceptanceHistory) a fresh
     row's first wait is what the drafter's last probing row waited, and every probe's outcome
@@ -40,8 +43,8 @@ class ProbeSchedule:
         self.wait = [first_wait] * rows
         self.probing = [False] * rows
 
-    def drafts(self, row: int):
-        """The row drafts in this iteration (not a probe): its wait starts over."""
+    def drafted(self, row: int):
+        """The row drafts in this iteration (not a probe): its count starts over."""
         self.idle[row] = 0
 
     def probes_now(self, row: int) -> bool:
@@ -55,7 +58,7 @@ class ProbeSchedule:
         self.probing[row] = True
         return True
 
-    def outcome(self, row: int, kept: float):
+    def verified(self, row: int, kept: float):
         """After the row's draft was verified: ``kept`` draft tokens were accepted."""
         if kept > 0:
             self.wait[row] = self.PROBE_AFTER
@@ -173,7 +176,7 @@ class AdaptiveCaps:
             cap = min(limit, int(min(2 * mean[r], self.CEILING)) + 1)
             length = paying_length(self.acceptance_rate(r), value, position, drafting_row, cap)
             if length > 0:
-                probes.drafts(r)
+                probes.drafted(r)
             elif cap > 0 and probes.probes_now(r):
                 length = 1
             caps.append(length)
@@ -185,7 +188,7 @@ class AdaptiveCaps:
         rate = self.acceptance_rate(row)
         length = int(math.log(threshold) / math.log(rate)) if threshold > 0.0 else 0
         if length >= 1:
-            self.probes.drafts(row)
+            self.probes.drafted(row)
             return length
         return 1 if self.probes.probes_now(row) else 0
 
@@ -228,7 +231,7 @@ class AdaptiveCaps:
                 rate_rejected[r] = self.RATE_DECAY * rate_rejected[r] + (kept < tried)
                 if history is not None:
                     history.update(kept, kept < tried, mean[r])
-                self.probes.outcome(r, kept)
+                self.probes.verified(r, kept)
 
 
 class QuietSpell:
