@@ -9,8 +9,8 @@
 #      batch 1 and 32, fairseq's step beside the engine's blocks of 1/4/8/16, float32 and
 #      float16, and the kernel time of a one-position call (torch profiler);
 #   3. with checkpoints prepared by ../shared/gpu/prepare.sh (.gpu/models/NAME/), the benchmark's
-#      own step table and generators (auto with the measured prices beside lean_greedy, iad and
-#      lookup) on their first 60 test sentences, at most two models.
+#      own step table and generators (fairseq greedy, lean_greedy, iad, lookup and auto with the
+#      measured prices) on their first 60 test sentences, at most two models.
 # On the GPU machine: bash .gpu/on-device.sh bash examples/gpu-checks.sh (carry .gpu along).
 # Results go to $OUT (default gpu-out/), 8 files at most: checks.txt (the log), pytest-cuda.txt,
 # step-table.md/.json, bench-NAME.md/.json per model.

@@ -16,7 +16,9 @@ each greedy output as the engine would and counts, per drafting rule:
 Speed is tokens per iteration over an iteration's cost; what a verified position costs against a
 plain iteration is the machine's (the benchmark's step table, docs/results.md). The counts say
 how far drafting could go on a model before anything is timed: where ``best of both`` keeps
-barely more than ``lookup``, mixing the two per row cannot make auto much faster than lookup.
+barely more than ``lookup``, mixing the two per row (auto) adds little at equal draft lengths,
+and the distance from a generator's measured tokens per iteration to the ``cap=kept`` row is
+what better draft lengths could still gain.
 
     python -m fairseq_pardec.benchmark.draft_ceiling DATA --path CKPT [-s SRC -t TGT]
 """
