@@ -27,11 +27,12 @@ def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
 
 class ProbeSchedule:
     """When the rows that draft nothing try again (CPU lists): per row, the iterations since it
-    last drafted or probed, and how long it waits for its next probe, one draft token. The wait starts at
-    ``PROBE_AFTER``, doubles after each probe up to ``LONGEST_PROBE_WAIT`` while probes fail,
-    and starts over once a draft token is kept. With a ``history`` (AcceptanceHistory) a fresh
-    row's first wait is what the drafter's last probing row waited, and every probe's outcome
-    goes there. AdaptiveCaps keeps one per drafter, auto one for its rows whatever the drafter."""
+    last drafted or probed, and how long it waits for its next probe, one draft token. The wait
+    starts at ``PROBE_AFTER``, doubles after each probe up to ``LONGEST_PROBE_WAIT`` while
+    probes fail, and starts over once a draft token is kept. With a ``history``
+    (AcceptanceHistory) a fresh row's first wait is what the drafter's last probing row waited,
+    and every probe's outcome goes there. AdaptiveCaps keeps one per drafter, auto one for its
+    rows whatever the drafter."""
 
     PROBE_AFTER = 8
     LONGEST_PROBE_WAIT = 64
@@ -42,6 +43,11 @@ class ProbeSchedule:
         self.idle = [0] * rows
         self.wait = [first_wait] * rows
         self.probing = [False] * rows
+
+    @classmethod
+    def longer(cls, wait: int) -> int:
+        """The wait after a probe that was not the last: twice as long, up to the longest."""
+        return min(2 * wait, cls.LONGEST_PROBE_WAIT)
 
     def drafted(self, row: int):
         """The row drafts in this iteration (not a probe): its count starts over."""
@@ -54,7 +60,7 @@ class ProbeSchedule:
         if self.idle[row] <= self.wait[row]:
             return False
         self.idle[row] = 0
-        self.wait[row] = min(2 * self.wait[row], self.LONGEST_PROBE_WAIT)
+        self.wait[row] = self.longer(self.wait[row])
         self.probing[row] = True
         return True
 
@@ -277,7 +283,7 @@ class AcceptanceHistory:
     def probed(self, accepted: bool):
         """A row's probe (one draft token after its wait) was accepted or not."""
         self.probe_wait = (ProbeSchedule.PROBE_AFTER if accepted
-                           else min(2 * self.probe_wait, ProbeSchedule.LONGEST_PROBE_WAIT))
+                           else ProbeSchedule.longer(self.probe_wait))
 
     def update(self, kept: float, rejected: bool, row_mean: Optional[float] = None):
         self.accepted = self.DECAY * self.accepted + kept
