@@ -15,12 +15,20 @@ STEP = Path(__file__).resolve().parent / "fairseq_pardec" / "decoding" / "step"
 NATIVE = "fairseq_pardec.decoding.step.libpardec_native"
 
 
-def _native_build():
-    """decoding/step/native_build.py, loaded by path (the package imports torch)."""
-    spec = importlib.util.spec_from_file_location("_pardec_native_build", STEP / "native_build.py")
+def _step_module(name):
+    """decoding/step/<name>.py, loaded by path (the package imports torch)."""
+    spec = importlib.util.spec_from_file_location("_pardec_" + name, STEP / (name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _native_build():
+    return _step_module("native_build")
+
+
+def _native_file():
+    return _step_module("native_file")
 
 
 class BuildNativeKernels(build_ext):
@@ -28,7 +36,8 @@ class BuildNativeKernels(build_ext):
     Python, torch nor an OpenMP runtime): each kernel source compiled once per variant of
     native_build.variants(), one dispatcher binding the CPU's best variant at load time. A
     failed build leaves the package without the library, never the install failed: native.py
-    then builds the kernels for the machine on first use."""
+    then builds the kernels for the machine on first use. The library goes into place with its
+    checksum beside it (native_file.py), which native.py checks before loading it."""
 
     def get_ext_filename(self, fullname):
         # a plain name, no Python ABI tag: the library is not a Python module (asked by full
@@ -64,9 +73,36 @@ class BuildNativeKernels(build_ext):
             macros=[("PARDEC_VARIANTS", build.variants_macro(names)),
                     ("PARDEC_SOURCE_DIGEST", '"%s"' % build.source_digest())],
             include_dirs=[str(STEP)], extra_postargs=["-O2", "-g0"])
-        output = self.get_ext_fullpath(ext.name)
-        os.makedirs(os.path.dirname(output), exist_ok=True)
-        self.compiler.link_shared_object(objects, output, libraries=["m"])
+        linked = temp / build.LIBRARY_NAME
+        self.compiler.link_shared_object(objects, str(linked), libraries=["m"])
+        output = Path(self.get_ext_fullpath(ext.name))
+        output.parent.mkdir(parents=True, exist_ok=True)
+        _native_file().install(linked, output)
+
+    def copy_extensions_to_source(self):
+        """An in-place (editable) install: the library copied into the source tree with its
+        checksum, renamed into place (distutils' copy rewrites the file where it is: a process
+        that has it mapped dies of SIGBUS, and a copy cut short stays). The package's one
+        extension is the library."""
+        built = Path(self.build_lib) / self.get_ext_filename(NATIVE)
+        if built.exists():  # else the build failed: native.py builds the kernels on first use
+            _native_file().install(built, STEP / _native_build().LIBRARY_NAME)
+
+    def get_outputs(self):
+        suffix = _native_file().CHECKSUM_SUFFIX
+        outputs = super().get_outputs()
+        return outputs + [path + suffix for path in outputs if _is_library(path)]
+
+    def get_output_mapping(self):
+        suffix = _native_file().CHECKSUM_SUFFIX
+        mapping = super().get_output_mapping()
+        mapping.update({built + suffix: placed + suffix
+                        for built, placed in list(mapping.items()) if _is_library(built)})
+        return mapping
+
+
+def _is_library(path):
+    return os.path.basename(path) == _native_build().LIBRARY_NAME
 
 
 setup(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_pardec.decoding.step import native, native_build, native_cache
+from fairseq_pardec.decoding.step import native, native_build, native_cache, native_file
 from fairseq_pardec.decoding.step.products import MKL, NATIVE, Linear
 
 
@@ -72,6 +72,7 @@ def test_the_installed_library_is_loaded_not_built(monkeypatch, tmp_path):
     kernel = native.native_kernel()
     assert kernel is not None, native.native_unavailable_reason()
     assert kernel.installed and kernel.path == native.INSTALLED
+    assert native_file.problem(native.INSTALLED) is None  # setup.py wrote its checksum
     assert kernel.variant in {name for name, _ in native_build.variants()}
     assert not builds and not list(tmp_path.glob("*.so"))
     # the library brings no OpenMP runtime and runs on torch's (other packages may have
@@ -134,6 +135,7 @@ def test_run_time_build_cached_once_in_the_xdg_cache(monkeypatch, tmp_path):
     root = tmp_path / "xdg" / "fairseq_pardec"
     built = list(root.glob("native-*.so"))
     assert built == [kernel.path] and len(builds) == 1
+    assert native_file.problem(kernel.path) is None  # its checksum beside it
     assert not [p for p in root.iterdir() if p.name.startswith((".tmp-", "tmp"))]
     _fresh(monkeypatch, tmp_path, installed=False)
     monkeypatch.delenv(native_cache.CACHE_VARIABLE)
@@ -248,6 +250,7 @@ def test_old_builds_and_their_choices_are_pruned(tmp_path):
         return path
 
     kept = [made(native_cache.build_name(current, "a" * 16), 20),  # these sources, another CPU
+            made(native_cache.build_name(current, "a" * 16) + ".sha256", 40),  # its checksum
             made(native_cache.build_name("o" * 16, "a" * 16), 0.5),  # another version, in use
             made("choices-installed-%s.json" % current, 10),
             made("choices-%s.json" % native_cache.build_name(current, "a" * 16)[:-3], 10),
@@ -255,6 +258,8 @@ def test_old_builds_and_their_choices_are_pruned(tmp_path):
     gone = [made("native_linear-0123.so", 0),  # the previous naming
             made(native_cache.build_name("o" * 16, "b" * 16), 2),  # another version, unused
             made(native_cache.build_name(current, "d" * 16), 31),  # unused for a month
+            made(native_cache.build_name(current, "d" * 16) + ".sha256", 0),  # ... its checksum
+            made(native_cache.build_name(current, "e" * 16) + ".sha256", 0),  # no build
             made("choices-native-gone-%s.json" % current, 1),  # its build is gone
             made("choices-installed-old.json", 31),
             made(".tmp-dead-build", 1, directory=True)]
@@ -271,7 +276,7 @@ def test_a_second_openmp_runtime_is_refused(monkeypatch, tmp_path):
     calls = iter([["/lib/libgomp.so.1"], ["/lib/libgomp.so.1", "/elsewhere/libomp.so"]])
     monkeypatch.setattr(native, "openmp_runtimes", lambda: next(calls))
     monkeypatch.setattr(native, "_built", lambda: pytest.fail("no fallback for this"))
-    monkeypatch.setattr(native, "_load", lambda: native._installed())
+    monkeypatch.setattr(native, "_load", lambda notes: native._installed())
     assert native.native_kernel() is None
     assert "OpenMP runtime of its own" in native.native_unavailable_reason()
 

@@ -22,11 +22,17 @@ The library links no OpenMP runtime: its loops run on the one torch has loaded, 
 process's mappings and handed over by address (native_parallel.c); loading it is checked to
 bring no second runtime into the process.
 
+Either library is loaded only once its file checks out (native_file.py: ELF headers within
+the file, the checksum written beside it at build time): dlopen of a file cut short kills the
+process (SIGBUS), where Python could not catch it. An installed library that fails the check is
+passed over for the run-time build; a cached build that fails it is removed and built again;
+one warning line names the file either way.
+
 Where there is no library, no compiler, the build fails, or the library miscomputes a test
 product, :func:`native_kernel` returns None and says why in :func:`native_unavailable_reason`;
 the fast step then uses the library kernels (products.py), as it does with
-``FAIRSEQ_PARDEC_NATIVE=0``. The first call loads or builds under a lock: threads starting
-together all get the kernel.
+``FAIRSEQ_PARDEC_NATIVE`` off (``0``, ``false``, ``no``, ``off``: env_flags.py). The first call
+loads or builds under a lock: threads starting together all get the kernel.
 """
 
 import ctypes
@@ -44,7 +50,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fairseq_pardec.decoding.step import native_build, native_cache
+from fairseq_pardec import env_flags
+from fairseq_pardec.decoding.step import native_build, native_cache, native_file
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,8 @@ INSTALLED = Path(__file__).with_name(native_build.LIBRARY_NAME)
 # -march of the run-time build: the machine's own instruction set unless this names another; an
 # x86-64 level (x86-64, x86-64-v2, -v3, -v4) caps the installed library's variant instead
 ARCH_VARIABLE = "FAIRSEQ_PARDEC_NATIVE_ARCH"
+# off: the fast step runs on the library kernels
+SWITCH_VARIABLE = "FAIRSEQ_PARDEC_NATIVE"
 OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 
 # the tables pardec_decoder_layers reads (native_layers.c): dims, per-layer weight pointers,
@@ -228,6 +237,9 @@ def _installed() -> Optional[NativeKernel]:
         return None
     if arch != "native" and arch not in native_build.LEVELS:
         return None  # another target than the installed variants: built at run time
+    problem = native_file.problem(INSTALLED)
+    if problem:
+        raise RuntimeError("%s: %s; reinstalling fairseq_pardec restores it" % (INSTALLED, problem))
     try:
         kernel = _open(INSTALLED, True, "installed", native_build.LEVELS.get(arch, 1 << 20))
     except _Stale:
@@ -269,15 +281,22 @@ def _target(compiler: str, flags: List[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _built() -> Path:
+def _built(notes: List[str]) -> Path:
     """The run-time build for this machine: from the cache, or compiled into it, under the
-    cache's lock (a process that finds another compiling waits and loads its build)."""
+    cache's lock (a process that finds another compiling waits and loads its build). A cached
+    build whose file does not check out is removed and compiled again (said in ``notes``):
+    loading it could kill the process, and so would every later run."""
     compiler = _compiler()
     flags = _build_flags()
     source = native_build.source_digest()
     root = native_cache.cache_root()
     path = root / native_cache.build_name(source, _target(compiler, flags))
     with native_cache.locked(root):
+        problem = native_file.problem(path) if path.exists() else None
+        if problem:
+            native_file.remove(path)
+            notes.append("the cached native kernels %s were damaged (%s): removed and built "
+                         "again" % (path, problem))
         if path.exists():
             os.utime(path)  # in use: not pruned
         else:
@@ -290,21 +309,22 @@ def _built() -> Path:
                       *(str(here / name) for name in native_build.COMMON_SOURCES
                         + native_build.KERNEL_SOURCES),
                       "-lm", "-o", str(built)], compiler)
-                os.replace(built, path)
+                native_file.install(built, path)
             logger.info("native kernels built for this machine: %s", path)
         native_cache.prune(root, source)
     return path
 
 
-def _load() -> NativeKernel:
+def _load(notes: List[str]) -> NativeKernel:
+    """The installed library, else the run-time build; what went wrong on the way is added to
+    ``notes`` (told in one warning line by native_kernel)."""
     kernel = None
     try:
         kernel = _installed()
     except (OSError, RuntimeError) as error:
-        logger.warning("the installed native kernels cannot run here (%s); building them for "
-                       "this machine", error)
+        notes.append("the installed native kernels cannot run here (%s)" % error)
     if kernel is None:
-        path = _built()
+        path = _built(notes)
         kernel = _open(path, False, path.stem)
     return kernel
 
@@ -331,20 +351,25 @@ def _check(kernel: NativeKernel):
 
 
 def native_kernel() -> Optional[NativeKernel]:
-    """The kernel, loaded (or built) and checked on first call; None where it cannot run here.
-    Threads calling it together wait for the first one's load and get its result."""
+    """The kernel, loaded (or built) and checked on first call; None where it cannot run here
+    or ``$FAIRSEQ_PARDEC_NATIVE`` is off (UsageError where it is neither on nor off). Threads
+    calling it together wait for the first one's load and get its result."""
     global _kernel, _reason, _tried
     if _tried:
         return _kernel
     with _first_use:
         if not _tried:
-            if os.environ.get("FAIRSEQ_PARDEC_NATIVE", "1") == "0":
-                _reason = "FAIRSEQ_PARDEC_NATIVE=0"
+            if not env_flags.flag(SWITCH_VARIABLE, True):
+                _reason = "%s=%s" % (SWITCH_VARIABLE, os.environ[SWITCH_VARIABLE].strip())
             else:
+                notes: List[str] = []
                 try:
-                    _kernel = _load()
+                    _kernel = _load(notes)
+                    if notes:
+                        logger.warning("%s; the native kernels now load from %s",
+                                       "; ".join(notes), _kernel.path)
                 except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                    _reason = str(error)
+                    _reason = "; ".join(notes + [str(error)])
                     logger.warning("native product kernel unavailable (%s); the fast step uses "
                                    "the library kernels", _reason)
             _tried = True

@@ -4,7 +4,8 @@
 ``~/.cache/fairseq_pardec``. What is written there is written under an exclusive file lock
 (``.lock``, fcntl: processes decoding side by side build a library once, the others wait for
 it) and renamed into place when complete; readers need no lock. Builds and choices nobody used
-for a while are pruned whenever a build is made or a choice stored.
+for a while are pruned whenever a build is made or a choice stored. A build's checksum
+(``<build>.so.sha256``, native_file.py) goes with its build.
 """
 
 import contextlib
@@ -65,8 +66,8 @@ def write_atomically(path: Path, data: bytes):
 
 def prune(root: Path, source_digest: str, now: Optional[float] = None):
     """Remove, under the lock: builds of the previous naming (``native_linear-*.so``), builds of
-    other sources unused for a day, any build or choice unused for 30 days, the choices of a
-    build that is gone, and scratch left by a build that died."""
+    other sources unused for a day, any build or choice unused for 30 days, the choices and
+    checksum of a build that is gone, and scratch left by a build that died."""
     now = time.time() if now is None else now
     for entry in root.iterdir():
         name = entry.name
@@ -77,6 +78,11 @@ def prune(root: Path, source_digest: str, now: Optional[float] = None):
             elif name.startswith(BUILD_PREFIX) and name.endswith(".so"):
                 other_sources = not name.startswith(BUILD_PREFIX + source_digest + "-")
                 if age > (OTHER_SOURCES_UNUSED_S if other_sources else UNUSED_S):
+                    entry.unlink()
+                    _remove_companions(entry)
+            elif name.startswith(BUILD_PREFIX) and ".so." in name:
+                # a build's checksum: kept while its build is (its own time is not touched)
+                if not (root / (name[:name.index(".so.") + len(".so")])).exists():
                     entry.unlink()
             elif name.startswith(CHOICES_PREFIX) and name.endswith(".json"):
                 build = name[len(CHOICES_PREFIX):-len(".json")]
@@ -89,6 +95,15 @@ def prune(root: Path, source_digest: str, now: Optional[float] = None):
                 else:
                     entry.unlink()
         except FileNotFoundError:  # another process pruned it first
+            pass
+
+
+def _remove_companions(build: Path):
+    """The files named after ``build`` (``<build>.sha256``), gone with it."""
+    for companion in build.parent.glob(build.name + ".*"):
+        try:
+            companion.unlink()
+        except FileNotFoundError:
             pass
 
 
