@@ -5,9 +5,10 @@
 #      (default 800: a model that copies what needs no correction; a number of updates, not of
 #      minutes, so a busy machine takes longer but trains the same model),
 #   3. decode the first DEMO_SENTENCES (default 150) test sentences with fairseq beam-5 and
-#      greedy, lean_greedy, iad, lookup and CTranslate2 (its own process) at batch 1 and 32 in
-#      one benchmark, and print its table,
-#   4. end with the verdict: the fastest lossless generator, x greedy, x CTranslate2.
+#      greedy, lean_greedy, iad, lookup, auto and CTranslate2 (its own process) at batch 1 and 32
+#      in one benchmark, and print its table,
+#   4. end with the verdict: the fastest lossless generator and auto (the README's choice),
+#      x greedy, x CTranslate2.
 # Everything goes to $OUT (default demo-out/). Re-running skips finished steps.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,10 +38,10 @@ else
   log "2/4 $OUT/ckpt/checkpoint_last.pt has $UPDATES updates (RETRAIN=1 to train again)"
 fi
 
-log "3/4 decode test with beam-5, greedy, lean_greedy, iad, lookup and CTranslate2 at batch 1 and 32"
+log "3/4 decode test with beam-5, greedy, lean_greedy, iad, lookup, auto and CTranslate2 at batch 1 and 32"
 # the last checkpoint, not the best: a fixed number of updates is what makes the demo repeatable
 python -m fairseq_pardec.benchmark "$OUT/data/bin" --path "$OUT/ckpt/checkpoint_last.pt" \
-  --generators beam:beam=5 greedy lean_greedy iad lookup ct2 --batch-sizes 1 32 \
+  --generators beam:beam=5 greedy lean_greedy iad lookup auto ct2 --batch-sizes 1 32 \
   --max-sentences "${DEMO_SENTENCES:-150}" --repeats 3 --threads "$THREADS" --no-step-table \
   --out-dir "$OUT/benchmark"
 log "4/4 table, JSON and plot in $OUT/benchmark/"

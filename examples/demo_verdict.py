@@ -27,14 +27,24 @@ def verdict(meta, rows):
                          "please report it with %s" % (head, sys.argv[1]))
             continue
         best = max(lossless, key=lambda r: r["sentences_per_s"])
-        ct2 = (", %.2fx CTranslate2" % best["speedup_vs_ct2"]
-               if best.get("speedup_vs_ct2") is not None else "")
-        lines.append("%s %s is the fastest lossless generator: %.1f sent/s, %.2fx fairseq greedy%s; "
-                     "all %d outputs identical to greedy; %.2f tokens per iteration"
-                     % (head, best["generator"], best["sentences_per_s"],
-                        best["speedup_vs_greedy"], ct2, meta["sentences"],
-                        best["mean_accepted_tokens"]))
+        lines.append("%s %s is the fastest lossless generator: %s; all %d outputs identical to "
+                     "greedy" % (head, best["generator"], _speed(best), meta["sentences"]))
+        auto = next((r for r in candidates if r["generator"] == "auto"), None)
+        if auto is not None and auto is not best:
+            same = ("all outputs identical to greedy" if auto.get("identical_to_greedy") == 1.0
+                    else "%.1f%% of outputs identical to greedy: a bug, please report it with %s"
+                    % (100 * (auto.get("identical_to_greedy") or 0), sys.argv[1]))
+            lines.append("%s auto (--generator auto): %s, %.2fx the fastest; %s"
+                         % (head, _speed(auto), auto["sentences_per_s"] / best["sentences_per_s"],
+                            same))
     return lines
+
+
+def _speed(row):
+    ct2 = (", %.2fx CTranslate2" % row["speedup_vs_ct2"]
+           if row.get("speedup_vs_ct2") is not None else "")
+    return ("%.1f sent/s, %.2fx fairseq greedy%s, %.2f tokens per iteration"
+            % (row["sentences_per_s"], row["speedup_vs_greedy"], ct2, row["mean_accepted_tokens"]))
 
 
 def main():

@@ -217,15 +217,17 @@ def test_demo_verdict_names_the_fastest_lossless_generator(tmp_path):
                     speedup_vs_ct2=speed / 50.0, mean_accepted_tokens=2.5, **extra)
 
     rows = [row("greedy", 1, 10.0, 1.0), row("ct2", 1, 50.0, 1.0), row("beam5", 1, 5.0, 0.8),
-            row("iad", 1, 20.0, 1.0), row("lookup", 1, 30.0, 0.99),
+            row("iad", 1, 20.0, 1.0), row("lookup", 1, 30.0, 0.99), row("auto", 1, 19.0, 1.0),
             row("greedy", 32, 40.0, 1.0), row("lookup", 32, 30.0, 0.5)]
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"meta": {"sentences": 100}, "rows": rows}))
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo_verdict.py"),
                           str(path)], capture_output=True, text=True, check=True).stdout
-    batch1, batch32 = out.splitlines()
+    batch1, auto1, batch32 = out.splitlines()
     assert batch1.startswith("[demo] batch 1 (100 sentences): iad is the fastest lossless")
     assert "2.00x fairseq greedy, 0.40x CTranslate2" in batch1
+    assert auto1.startswith("[demo] batch 1 (100 sentences): auto (--generator auto): 19.0 sent/s")
+    assert "0.95x the fastest; all outputs identical to greedy" in auto1
     assert batch32.startswith("[demo] batch 32 (100 sentences): no generator gave fairseq greedy")
 
 

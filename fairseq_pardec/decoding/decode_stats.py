@@ -100,9 +100,13 @@ def timed(stats: DecodeStats, device: torch.device):
     """Adds the wall time of the block to ``stats``; waits for queued GPU work on both ends."""
     _synchronize(device)
     start = time.perf_counter()
+    # whether a batch is being decoded now: what a Ctrl-C then leaves unprinted is that batch,
+    # which is not counted yet (translation_pardec's interrupt line)
+    stats.decoding = True
     try:
         yield
     finally:
+        stats.decoding = False
         _synchronize(device)
         stats.wall_time += time.perf_counter() - start
 
@@ -129,6 +133,7 @@ class PartTimer:
 def count_hypotheses(stats: DecodeStats, hypos):
     """Sentences and target tokens (EOS included, as fairseq counts them) of a batch's output."""
     stats.sentences += len(hypos)
+    stats.last_batch = len(hypos)  # not a field: no statistic of its own (as_dict)
     stats.target_tokens += sum(len(h[0]["tokens"]) for h in hypos if h)
 
 

@@ -60,7 +60,7 @@ def use_beam_one(args):
     reported as fairseq's default beam of 5. A library caller's config is left as it was: it gets
     a copy.
     """
-    if getattr(args, "beam", 1) == 1:
+    if getattr(args, "beam", None) == 1:
         return args
     from omegaconf import OmegaConf, open_dict, read_write
 

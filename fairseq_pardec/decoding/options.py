@@ -75,13 +75,16 @@ REFUSALS = (
 )
 
 
-def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None,
-           explicit_beam=None):
+def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
     """UsageError naming the first option that generator ``name`` cannot honour.
 
-    ``task_cfg`` holds the task's options, ``args`` fairseq's generation config. ``explicit_beam``
-    is the ``--beam`` the user typed (None if not typed): fairseq's default beam is 5, so only a
-    typed value tells a greedy-only generator that a beam was asked for.
+    ``task_cfg`` holds the task's options, ``args`` fairseq's generation config.
+
+    A greedy-only generator takes beam 1 and nothing else, whichever way the beam came: the
+    command line's ``--beam`` (where a greedy-only ``--generator`` sets 1 unless ``--beam`` is
+    typed, translation_pardec.py), a hub call's ``beam=`` (5 unless given), ``--eval-bleu-args``.
+    A config without a beam at all (``--eval-bleu-args '{}'``) asks for none: the generator's own.
+    Decoding greedily where a beam search was asked for would change the output without a word.
     """
     from fairseq_pardec.decoding.registry import SPECS  # the registry's builders import us
 
@@ -112,11 +115,14 @@ def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_token
         if nbest != 1:
             raise UsageError("--generator %s returns one hypothesis; drop --nbest %d or use "
                              "--generator beam" % (name, nbest))
-        beam = explicit_beam if explicit_beam is not None else getattr(args, "beam", 5)
-        if beam != 1 and (explicit_beam is not None or beam != 5):
-            what = "draws one sample per sentence" if sampling else "decodes greedily (beam 1)"
-            raise UsageError("--generator %s %s; drop --beam %d or use --generator beam"
-                             % (name, what, beam))
+        beam = getattr(args, "beam", None)
+        if beam is not None and beam != 1:
+            what = ("draws one sample per sentence, not %d" % beam if sampling
+                    else "decodes greedily (beam 1), not with beam %d" % beam)
+            raise UsageError(
+                "--generator %s %s: ask for beam 1 (--beam 1; beam=1 in a hub call such as "
+                "translate(..., beam=1); {\"beam\": 1} in --eval-bleu-args), or use --generator "
+                "beam, fairseq's own search" % (name, what))
     elif spec.family == "interleaved":
         nbest, beam = getattr(args, "nbest", 1), getattr(args, "beam", 5)
         if nbest > beam:

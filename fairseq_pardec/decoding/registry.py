@@ -56,7 +56,7 @@ class GeneratorSpec:
     build: Callable
     summary: str  # for --generator's help
     family: str  # FAIRSEQ, DRAFT_VERIFY or INTERLEAVED
-    greedy_only: bool  # one hypothesis per sentence, beam 1 (a typed --beam N > 1 is refused)
+    greedy_only: bool  # one hypothesis per sentence, beam 1 (any other beam is refused)
     task_options: Tuple[str, ...] = ()  # fields of TranslationPardecConfig it reads
 
 
@@ -233,8 +233,9 @@ GENERATORS = {name: spec.build for name, spec in SPECS.items()}
 
 def help_text() -> str:
     """``--generator``'s help: every name with its one-line summary."""
-    return ("decoding method (default auto; what auto cannot give, a typed --beam N > 1, --nbest, "
-            "an option of fairseq's search, goes to beam, which stays fairseq's own beam search): "
+    return ("decoding method (default beam: fairseq's own search with fairseq's --beam, as "
+            "--task translation decodes; auto is the fastest lossless greedy one). The greedy-only "
+            "generators decode with beam 1 and refuse any other beam: "
             + ", ".join("%s (%s)" % (s.name, s.summary) for s in SPECS.values()))
 
 

@@ -37,7 +37,7 @@ GENERATOR_CHOICES = ChoiceEnum(list(SPECS))
 @dataclass
 class TranslationPardecConfig(TranslationConfig):
     generator: GENERATOR_CHOICES = field(
-        default="auto",
+        default="beam",
         metadata={
             "help": help_text()
         },
@@ -100,8 +100,8 @@ class TranslationPardecConfig(TranslationConfig):
                   "examples/distill.sh), whose n-gram table continues drafts that the source and "
                   "the output cannot (default: source and output only)"},
     )
-    # Set by the parser when --beam is typed: fairseq's default beam is 5, so a typed --beam 5
-    # is otherwise indistinguishable from no --beam (greedy-only generators refuse a typed one).
+    # Set by the parser when --beam is typed (_RecordTypedBeam): a greedy-only --generator then
+    # leaves the typed beam for its check instead of setting beam 1 (_GreedyGeneratorBeam).
     explicit_beam: Optional[int] = field(default=None, metadata={"help": argparse.SUPPRESS})
 
 
@@ -111,6 +111,22 @@ class _RecordTypedBeam(argparse._StoreAction):
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)
         namespace.explicit_beam = values
+
+
+class _GreedyGeneratorBeam(argparse._StoreAction):
+    """``--generator``: a greedy-only generator typed without ``--beam`` decodes with beam 1.
+
+    fairseq's default beam is 5, and a greedy-only generator refuses any beam but 1, wherever it
+    comes from (options.refuse): on the command line, choosing such a generator is itself the
+    request for beam 1, so no ``--beam 1`` needs typing. A typed ``--beam`` before or after it
+    is kept (and refused unless 1).
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        spec = SPECS.get(str(values))
+        if spec is not None and spec.greedy_only and getattr(namespace, "explicit_beam", None) is None:
+            namespace.beam = 1
 
 
 class _SummaryReporter:
@@ -144,6 +160,16 @@ class _SummaryReporter:
         # fairseq-generate loads one split; fairseq-interactive none
         splits = list(self.task.datasets.values())
         of = " of %d" % len(splits[0]) if len(splits) == 1 else ""
+        # fairseq prints a batch's lines after its generate call returns: a Ctrl-C between the
+        # two leaves the batch just decoded (of the generator that ran last) partly printed
+        latest = self.stats[-1][1] if self.stats else None
+        unsure = 0
+        if latest is not None and not getattr(latest, "decoding", False):
+            unsure = getattr(latest, "last_batch", 0)
+        if unsure:
+            return ("%d%s sentences decoded and printed (--generator %s), %d more decoded whose "
+                    "lines may be missing; the output is incomplete"
+                    % (decoded - unsure, of, names, unsure))
         return "%d%s sentences decoded (--generator %s), the output is incomplete" % (
             decoded, of, names)
 
@@ -172,6 +198,8 @@ class TranslationPardecTask(TranslationTask):
                     action.type = validator
             if "--beam" in action.option_strings and type(action) is argparse._StoreAction:
                 action.__class__ = _RecordTypedBeam
+            if "--generator" in action.option_strings and type(action) is argparse._StoreAction:
+                action.__class__ = _GreedyGeneratorBeam
 
     def with_options(self, **options):
         """A copy of this task whose config has ``options`` (``generator="gad"``, ...) set.
@@ -243,28 +271,6 @@ class TranslationPardecTask(TranslationTask):
         return super().get_batch_iterator(dataset, *args, **kwargs)
 
     # ------------------------------------------------------------------ generators
-    def _auto_choice(self, models, args, seq_gen_cls, extra_gen_cls_kwargs,
-                     prefix_allowed_tokens_fn) -> str:
-        """``--generator auto`` (the default): the lossless draft-and-verify ``auto`` wherever it
-        gives what was asked for; fairseq's own search (``beam``) for what only that gives (a
-        typed --beam N > 1, --nbest, --score-reference, a caller's generator class, an ensemble,
-        options of fairseq's search), which for ibdecoder models is the interleaved search."""
-        if (seq_gen_cls is not None or getattr(args, "score_reference", False)
-                or len(models) != 1 or hasattr(models[0], "words_per_step")):
-            return "beam"
-        try:
-            refuse("auto", self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
-                   explicit_beam=self.cfg.explicit_beam)
-        except UsageError as auto_refusal:
-            try:
-                refuse("beam", self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
-                       explicit_beam=self.cfg.explicit_beam)
-            except UsageError:
-                raise auto_refusal from None
-            logger.info("--generator auto: fairseq's own search decodes (%s)", auto_refusal)
-            return "beam"
-        return "auto"
-
     def build_generator(
         self,
         models,
@@ -275,9 +281,6 @@ class TranslationPardecTask(TranslationTask):
     ):
         refuse_non_verifiers(models)
         asked = name = str(self.cfg.generator)
-        if asked == "auto":
-            asked = name = self._auto_choice(models, args, seq_gen_cls, extra_gen_cls_kwargs,
-                                             prefix_allowed_tokens_fn)
         if models and hasattr(models[0], "words_per_step") and name in ("beam", "greedy"):
             name = "interleaved"  # ibdecoder models emit several words per step
         if seq_gen_cls is not None and asked != "beam":
@@ -296,8 +299,7 @@ class TranslationPardecTask(TranslationTask):
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
         for each in dict.fromkeys((asked, name)):  # greedy on an ibdecoder: both rule sets
-            refuse(each, self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn,
-                   explicit_beam=self.cfg.explicit_beam)
+            refuse(each, self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
         if SPECS[asked].greedy_only:
             args = use_beam_one(args)
         generator = GENERATORS[name](
