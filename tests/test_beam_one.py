@@ -165,3 +165,48 @@ def test_exact_ties_choose_as_fairseq_whatever_the_rows(device, vocab):
         grid = torch.stack([untied, lprobs], 1)  # (bsz, 2, V)
         scores = torch.stack([score, score], 1)
         assert torch.equal(beam_one_tokens(grid, scores)[:, 1], want)
+
+
+def test_running_scores_in_order_on_any_device():
+    """The per-position additions (where no single kernel is known to add in order) equal
+    numpy's left-to-right accumulation to the bit."""
+    from fairseq_pardec.decoding.fairseq_rules import _add_in_order
+
+    g = torch.Generator().manual_seed(2)
+    values = torch.cat([-30 * torch.rand(4, 1, generator=g),
+                        -5 * torch.rand(4, 33, generator=g)], 1)
+    assert torch.equal(_add_in_order(values), running_scores(values[:, 0], values[:, 1:]))
+
+
+def test_order_probe_tells_other_orders_apart():
+    """The probe that checks CUDA's column scan once per device fails any other order: a wider
+    accumulator (the CPU's cumsum), pairs added first (a parallel scan), a masked sum."""
+    import numpy as np
+
+    from fairseq_pardec.decoding.fairseq_rules import _order_probe
+
+    probe = _order_probe()
+    in_order = torch.from_numpy(np.add.accumulate(probe.numpy(), axis=1))
+    wider = probe.double().cumsum(1).float()
+    pairs = probe.clone()
+    step = 1
+    while step < probe.size(1):  # Hillis-Steele: each position adds the one `step` before it
+        shifted = torch.zeros_like(pairs)
+        shifted[:, step:] = pairs[:, :-step]
+        pairs = pairs + shifted
+        step *= 2
+    masked = torch.stack([probe[:, : j + 1].sum(1) for j in range(probe.size(1))], 1)
+    for other in (wider, pairs, masked):
+        assert not torch.equal(other, in_order)
+        assert not torch.equal(other[:1], in_order[:1])  # the 2**24 row alone catches each
+
+
+def test_tied_rows_grouped_where_topk_sorts_whole_rows():
+    from fairseq_pardec.decoding.fairseq_rules import tied_rows_per_topk
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert tied_rows_per_topk(cpu, 200000) is None
+    assert tied_rows_per_topk(cuda, 99999) is None
+    assert tied_rows_per_topk(cuda, 100000) == 10  # ten rows of that width sort, as one does
+    assert tied_rows_per_topk(cuda, 9999, rocm=True) is None
+    assert tied_rows_per_topk(cuda, 10000, rocm=True) == 1

@@ -17,7 +17,7 @@ import torch
 
 from fairseq_pardec.benchmark.runner import divergence
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.decoding.fairseq_rules import running_scores
+from fairseq_pardec.decoding.fairseq_rules import running_scores, sequential_cumsum
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.static import StaticBlockDecoder
@@ -37,10 +37,62 @@ def to_cuda(sample):
     return utils.move_to_cuda(sample)
 
 
-def test_running_scores_on_cuda_equal_cpu():
-    g = torch.Generator().manual_seed(0)
-    start, steps = -30 * torch.rand(7, generator=g), -5 * torch.rand(7, 33, generator=g)
-    assert torch.equal(running_scores(start.cuda(), steps.cuda()).cpu(), running_scores(start, steps))
+@pytest.mark.parametrize("rows", [1, 7, 600])
+def test_running_scores_on_cuda_equal_cpu(rows):
+    """One column scan on CUDA adds in fairseq's order (checked once per device, then used):
+    bit for bit the CPU's left-to-right float32 additions, one row alone included."""
+    g = torch.Generator().manual_seed(rows)
+    start, steps = -30 * torch.rand(rows, generator=g), -5 * torch.rand(rows, 33, generator=g)
+    assert sequential_cumsum(torch.device("cuda", torch.cuda.current_device()))
+    got = running_scores(start.cuda(), steps.cuda()).cpu()
+    assert torch.equal(got, running_scores(start, steps))
+
+
+def test_running_scores_in_deterministic_mode():
+    """Deterministic mode swaps CUDA's cumsum for a masked sum: the additions go one by one."""
+    g = torch.Generator().manual_seed(3)
+    start, steps = -30 * torch.rand(5, generator=g), -5 * torch.rand(5, 20, generator=g)
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = running_scores(start.cuda(), steps.cuda()).cpu()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(got, running_scores(start, steps))
+
+
+def test_capture_beside_a_thread_reading_the_device():
+    """A thread that reads the device (``.tolist()``) while another records its graphs breaks
+    neither: captures are thread-local, and the recorded calls equal the eager ones."""
+    import threading
+
+    d = make_dictionary(50)
+    model = tiny_transformer(make_task(d), seed=63).cuda()
+    sample = to_cuda(random_batch(d, lengths(8), seed=8))
+    stop = threading.Event()
+    probe = torch.arange(1000, device="cuda")
+
+    def read():
+        while not stop.is_set():
+            probe.add(1).tolist()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        _replay_equals_eager(model, sample, seed=8)
+    finally:
+        stop.set()
+        reader.join()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_graphs_on_a_second_gpu():
+    d = make_dictionary(50)
+    model = tiny_transformer(make_task(d), seed=64).to("cuda:1")
+    from fairseq import utils
+
+    sample = utils.move_to_cuda(random_batch(d, lengths(8), seed=8),
+                                device=torch.device("cuda:1"))
+    _replay_equals_eager(model, sample, seed=8)
 
 
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
@@ -91,6 +143,7 @@ def test_fp16_divergence_audit(copy_model):
 def _schedule(step, model, sample, seed, shrink=True):
     """A random block / rollback / rows-leaving schedule on CUDA (ragged blocks of 1-6
     positions); every call's features, padding zeroed. The same seed gives the same schedule."""
+    device = next(model.parameters()).device
     encoder_out = model.encoder.forward_torchscript(sample["net_input"])
     bsz = sample["net_input"]["src_tokens"].size(0)
     vocab = model.decoder.embed_tokens.num_embeddings
@@ -106,17 +159,19 @@ def _schedule(step, model, sample, seed, shrink=True):
             block = torch.randint(4, vocab, (start.numel(), width), generator=g)
             block[:, 0] = last
             block_pad = torch.arange(width).unsqueeze(0) >= lens.unsqueeze(1)
-            x = step.forward_block(block.cuda(), start.cuda(), block_pad.cuda(), encoder_out, state)
-            features.append(x.masked_fill(block_pad.cuda().unsqueeze(-1), 0.0).cpu())
+            x = step.forward_block(block.to(device), start.to(device), block_pad.to(device),
+                                   encoder_out, state)
+            features.append(x.masked_fill(block_pad.to(device).unsqueeze(-1), 0.0).cpu())
             keep = torch.stack([torch.randint(1, int(n) + 1, (1,), generator=g)[0] for n in lens])
-            step.rollback(state, width, keep.cuda(), keep_range=(int(keep.min()), int(keep.max())))
+            step.rollback(state, width, keep.to(device),
+                          keep_range=(int(keep.min()), int(keep.max())))
             last = block[torch.arange(start.numel()), keep - 1]
             start = start + keep
             if shrink and it in (3, 6) and start.numel() > 1:  # rows finish mid-bucket
                 alive = torch.arange(start.numel())[start.numel() // 3:]
                 start, last = start[alive], last[alive]
-                step.reorder(state, alive.cuda())
-                encoder_out = model.encoder.reorder_encoder_out(encoder_out, alive.cuda())
+                step.reorder(state, alive.to(device))
+                encoder_out = model.encoder.reorder_encoder_out(encoder_out, alive.to(device))
     return features
 
 
@@ -209,3 +264,26 @@ def test_a_call_never_reads_the_device():
                     step.rollback(state, 4, keep, keep_range=(1, 1))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+
+
+def test_slot_budget_bounds_memory_on_cuda():
+    """Batches of six source buckets on a budget of two slots: at most two slots and their
+    graphs stay, the device memory returns to the same level once the budget is full, and
+    every replay equals the eager calls."""
+    from fairseq_pardec.decoding.step.slot_pool import SlotBudget
+
+    d = make_dictionary(50)
+    model = tiny_transformer(make_task(d), seed=65).cuda()
+    graphed = StaticBlockDecoder(model.decoder, budget=SlotBudget(slots=2, graphs=64))
+    eager = StaticBlockDecoder(model.decoder, graphs=False)
+    held = []
+    for i, source in enumerate((10, 20, 40, 70, 130, 260, 10, 20, 40)):
+        sample = to_cuda(random_batch(d, [source, max(1, source // 2)], seed=i))
+        for x, y in zip(_schedule(graphed, model, sample, i, shrink=False),
+                        _schedule(eager, model, sample, i, shrink=False)):
+            assert torch.allclose(x, y, rtol=0, atol=1e-5)
+        assert graphed.slot_count() <= 2 and graphed.graph_count() <= 64
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated())
+    assert graphed._pool.evictions > 0
+    assert held[-1] <= max(held[:6])  # revisited buckets bring no growth

@@ -15,7 +15,12 @@ its kernel launches and every host read of the device stalls the queue:
   block's keys and values are scattered at ``length[b] + i``; a rollback only sets the lengths
   (rejected entries are overwritten by the next block), so the cache never has holes and needs
   no compaction. Keys carry their position in their values (absolute position embeddings), so
-  an entry's index in the buffer is not its decoder step.
+  an entry's index in the buffer is not its decoder step. The last entry is never a real one:
+  the bucket's padding columns past the capacity are written there (and never attended to), so
+  the capacity follows the real entries (``capacity_for``), not the bucket, and a batch that
+  reserves its length limit (``new_state(max_len)``, ``reserve``) never grows its buffers.
+* **Slots are bounded** (step/slot_pool.py): a count, a share of the free memory, least
+  recently used first; an evicted slot frees its buffers and its graphs.
 * **The encoder's keys and values** are projected once per batch, into the slot's static buffers
   (the source length rounded up to a bucket, the padding masked).
 * **Few, fused ops.** One product per layer for queries, keys and values, the query scaling
@@ -37,6 +42,7 @@ it declares a margin and the engine decides close calls with fairseq's arithmeti
 (draft_verify/margin_guard.py), as for the fast step.
 """
 
+import functools
 import threading
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -50,9 +56,10 @@ from fairseq.modules import LearnedPositionalEmbedding
 from fairseq_pardec.decoding.fairseq_rules import token_rules as apply_token_rules
 from fairseq_pardec.decoding.step.block_decoder import UnsupportedDecoder, keep_bounds
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.cuda_graphs import GraphSet
+from fairseq_pardec.decoding.step.cuda_graphs import GraphSet, out_of_memory
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 from fairseq_pardec.decoding.step.margins import rounding_margin
+from fairseq_pardec.decoding.step.slot_pool import SlotBudget, SlotPool
 from fairseq_pardec.decoding.step.weights_key import WeightsKey
 from fairseq_pardec.models.decoder_inputs import encoder_states, final_features
 
@@ -79,6 +86,22 @@ def batch_bucket(rows: int) -> int:
 def block_bucket(length: int) -> int:
     """Columns of the grid a block of ``length`` positions runs on: a power of two."""
     return _power_of_two(length)
+
+
+def draft_cap_for_bucket(limit: int) -> int:
+    """The most draft tokens, at most ``limit``, whose verified block (the row's last token and
+    its drafts) fills its block bucket: ``2**k - 1`` (16 drafts make a block of 17 that runs on
+    32 columns; 15 fill 16). A drafter's ceiling on CUDA passes through this."""
+    if limit < 1:
+        return 0
+    return (1 << (limit + 1).bit_length() - 1) - 1
+
+
+def capacity_for(entries: int) -> int:
+    """The self-attention capacity for rows of at most ``entries`` cache entries: a power of
+    two, at least :data:`MIN_CAPACITY`, with one entry to spare (the padding columns' spill
+    entry, never a real one)."""
+    return _power_of_two(entries + 1, MIN_CAPACITY)
 
 
 def static_supported(decoder) -> bool:
@@ -145,8 +168,16 @@ class _Slot:
     """Static buffers of one (rows, capacity, source) bucket, and the graphs recorded on them.
 
     A slot belongs to one cache at a time (``owner``); it returns to its step's pool when that
-    cache is gone or moves to another slot.
+    cache is gone or moves to another slot, and the pool evicts it when over budget.
     """
+
+    @staticmethod
+    def buffer_bytes(layers: List[_Layer], rows: int, capacity: int, source: int, dtype) -> int:
+        """The bytes of a slot's cache buffers (what a new slot allocates, nearly all of it)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        per_row = sum(2 * capacity * layer.heads * layer.head_dim
+                      + 2 * source * layer.cross_heads * layer.cross_head_dim for layer in layers)
+        return rows * per_row * size
 
     def __init__(self, step: "StaticBlockDecoder", rows: int, capacity: int, source: int,
                  device, dtype):
@@ -170,7 +201,25 @@ class _Slot:
         self.temperature = torch.ones((), device=device, dtype=dtype)
         self.temperature_value = 1.0
         self.blocks: Dict[int, _Block] = {}
-        self.graphs = GraphSet(torch.device(device))
+        self._buffer_bytes = self.buffer_bytes(self.layers, rows, capacity, source, dtype)
+        device = torch.device(device)
+        self.graphs = step.graph_set(device, before_capture=step._room_for_graph,
+                                     make_room=functools.partial(step._room_after_out_of_memory,
+                                                                 device))
+        self.graphs.enabled = self.graphs.enabled and step.graphs
+        self.owner = None
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer_bytes + self.graphs.nbytes
+
+    def evict(self):
+        """Free the buffers and the graphs (the slot is never used again)."""
+        self.graphs.clear()
+        self.graphs.enabled = False
+        self.keys, self.values, self.enc_keys, self.enc_values = [], [], [], []
+        self.blocks.clear()
+        self._buffer_bytes = 0
         self.owner = None
 
     def block(self, width: int, pad: int) -> _Block:
@@ -234,14 +283,17 @@ class StaticBlockDecoder(LeanBlockDecoder):
     :class:`~fairseq_pardec.decoding.step.lean.LeanBlockDecoder`, a :class:`StaticCache` as state).
 
     ``graphs``: record each bucket's call as a CUDA graph where the model is on CUDA (default);
-    False runs every call eagerly (the same operations).
+    False runs every call eagerly (the same operations). ``budget``: how many slots and graphs,
+    and what share of the free device memory, the step keeps (step/slot_pool.py).
     """
 
     fast = True
     one_position_exact = False  # not even a one-position call rounds as fairseq does
     kernels = None  # the fast encoder measures its own kernels
 
-    def __init__(self, decoder, graphs: bool = True):
+    graph_set = GraphSet  # what records a slot's calls (the tests substitute a stub)
+
+    def __init__(self, decoder, graphs: bool = True, budget: SlotBudget = SlotBudget()):
         super().__init__(decoder)
         if not static_supported(decoder):
             raise UnsupportedDecoder(
@@ -253,7 +305,7 @@ class StaticBlockDecoder(LeanBlockDecoder):
         self._held: list = []
         self._weights_key = None
         self._weights_fingerprint: Optional[WeightsKey] = None
-        self._slots: Dict[Tuple[int, int, int], List[_Slot]] = {}
+        self._pool = SlotPool(budget)
         self._lock = threading.Lock()
         self._local = threading.local()
         self._dense_index: Dict[tuple, Tensor] = {}
@@ -264,8 +316,14 @@ class StaticBlockDecoder(LeanBlockDecoder):
         # log-probabilities and finds the best two per position (best_two)
         self.token_rules: Optional[Tuple[int, int, float]] = None
 
-    def new_state(self) -> StaticCache:
-        return StaticCache()
+    def new_state(self, max_len: Optional[int] = None) -> StaticCache:
+        """A batch's state; ``max_len``: the most tokens a row outputs (the engine's length
+        limit, EOS at the latest there), so that its buffers are allocated once, for BOS and
+        ``max_len`` tokens, when the batch starts (without it they grow as rows do)."""
+        cache = StaticCache()
+        if max_len is not None:
+            self.reserve(cache, max_len + 1)
+        return cache
 
     @property
     def margin(self) -> Optional[float]:
@@ -290,7 +348,7 @@ class StaticBlockDecoder(LeanBlockDecoder):
                     self._layers = [_Layer(layer) for layer in self.layers]
                 # the parameters' storage, kept alive with the graphs that read its addresses
                 self._held = self._weights_fingerprint.hold() + [table]
-                self._slots.clear()
+                self._pool.clear()
                 self._weights_key = key
 
     def _position_table(self) -> Optional[Tensor]:
@@ -300,39 +358,69 @@ class StaticBlockDecoder(LeanBlockDecoder):
         return module.weight if isinstance(module, LearnedPositionalEmbedding) else module.weights
 
     def _acquire(self, cache: StaticCache, rows: int, capacity: int, source: int, device, dtype):
-        """A free slot of these buckets for ``cache`` (a new one if all are taken)."""
+        """A free slot of these buckets for ``cache`` (a new one if all are taken, after
+        evicting what the budget requires; out of memory evicts every unused slot and tries
+        once more)."""
+        device = torch.device(device)
         with self._lock:
-            slots = self._slots.setdefault((rows, capacity, source), [])
-            slot = next((s for s in slots if s.free()), None)
+            slot = self._pool.find(rows, capacity, source)
             if slot is None:
-                slot = _Slot(self, rows, capacity, source, device, dtype)
-                slot.graphs.enabled = slot.graphs.enabled and self.graphs
-                slots.append(slot)
+                self._pool.make_room(_Slot.buffer_bytes(self._layers, rows, capacity, source,
+                                                        dtype), device)
+                try:
+                    slot = _Slot(self, rows, capacity, source, device, dtype)
+                except RuntimeError as error:
+                    if not out_of_memory(error):
+                        raise
+                    self._free_unused_memory(device)
+                    slot = _Slot(self, rows, capacity, source, device, dtype)
+                self._pool.add(slot)
             slot.owner = weakref.ref(cache)
+            self._pool.touch(slot)
         return slot
 
     @staticmethod
     def _release(slot: _Slot):
         slot.owner = None
 
+    def _free_unused_memory(self, device: torch.device):
+        """Evict every slot no batch uses and return the cached memory to the device (the
+        caller holds the lock)."""
+        self._pool.evict_unused()
+        if device.type == "cuda":
+            # the evicted graphs' pools go back to the device only here; outside any capture
+            torch.cuda.empty_cache()
+
+    def _room_for_graph(self, graphs: GraphSet):
+        """Before a slot's set records a call: the budget's graph count and memory share."""
+        with self._lock:
+            self._pool.make_room_for_graph(graphs)
+
+    def _room_after_out_of_memory(self, device: torch.device):
+        """A capture ran out of memory: evict every unused slot before its one retry."""
+        with self._lock:
+            self._free_unused_memory(device)
+
     def release_buffers(self):
         """Drop every slot not in use and the graphs recorded on them (GPU memory)."""
         with self._lock:
-            for key in list(self._slots):
-                self._slots[key] = [s for s in self._slots[key] if not s.free()]
+            self._pool.evict_unused()
 
     def graph_count(self) -> int:
         """How many calls are recorded as CUDA graphs (benchmark, tests)."""
-        return sum(len(s.graphs) for slots in self._slots.values() for s in slots)
+        return self._pool.graph_count()
 
-    def _start(self, cache: StaticCache, encoder_out, bsz: int, width: int):
+    def slot_count(self) -> int:
+        """How many slots the step keeps, in use or not (tests)."""
+        return len(self._pool)
+
+    def _start(self, cache: StaticCache, encoder_out, bsz: int, length: int):
         """Take a slot for the batch and project the encoder's keys and values into it."""
         self._prepared()
         enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)
         weight = self.decoder.embed_tokens.weight
         source = enc.size(0)
-        slot = self._acquire(cache, batch_bucket(bsz),
-                             _power_of_two(max(width, cache.reserved), MIN_CAPACITY),
+        slot = self._acquire(cache, batch_bucket(bsz), capacity_for(max(length, cache.reserved)),
                              _power_of_two(source, MIN_SOURCE), weight.device, weight.dtype)
         cache.slot, cache.batch, cache.bound = slot, bsz, 0
         flat = enc.reshape(source * bsz, -1)
@@ -351,14 +439,15 @@ class StaticBlockDecoder(LeanBlockDecoder):
 
     def reserve(self, cache: StaticCache, entries: int):
         """Make room for ``entries`` cache entries per row (a caller that knows the batch's
-        length limit may reserve it once, before the first block: no buffer grows later)."""
+        length limit reserves it once, before the first block: no buffer grows later; see
+        :meth:`new_state`)."""
         slot = cache.slot
         if slot is None:
             cache.reserved = max(cache.reserved, entries)
             return
-        if entries <= slot.capacity:
+        if capacity_for(entries) <= slot.capacity:
             return
-        bigger = self._acquire(cache, slot.rows, _power_of_two(entries, MIN_CAPACITY),
+        bigger = self._acquire(cache, slot.rows, capacity_for(entries),
                                slot.source, slot.lengths.device, slot.keys[0].dtype)
         bigger.copy_rows(slot, None, slot.rows)
         self._release(slot)
@@ -375,9 +464,12 @@ class StaticBlockDecoder(LeanBlockDecoder):
         width = block_bucket(length)
         with torch.no_grad():
             if cache.slot is None:
-                self._start(cache, encoder_out, bsz, width)
-            self.reserve(cache, cache.bound + width)
+                self._start(cache, encoder_out, bsz, length)
+            # the real entries must fit below the spill entry; the bucket's padding need not
+            self.reserve(cache, cache.bound + length)
             slot = cache.slot
+            with self._lock:
+                self._pool.touch(slot)
             block = slot.block(width, self.padding_idx)
             self._fill(block, tokens, start, layout.block_pad, steps, block_mask)
             explicit = steps is not None
@@ -390,6 +482,10 @@ class StaticBlockDecoder(LeanBlockDecoder):
             if scores and slot.temperature_value != temperature:
                 slot.temperature.fill_(temperature)
                 slot.temperature_value = temperature
+            # the outputs are the slot's until its next call (a replay rewrites them, and the
+            # graphs of a slot share one memory pool: step/cuda_graphs.py): the features are
+            # copied out here (index_select), the scores when read (log_probs, best_two),
+            # before the engine calls again on this cache; a new call drops unread ones
             outputs = slot.graphs.call((width, explicit, scores, rules),
                                        lambda: self._call(slot, block, explicit, scores, rules))
             # the lengths move outside the recorded call: a call must be repeatable
@@ -504,7 +600,11 @@ class StaticBlockDecoder(LeanBlockDecoder):
         tokens, positions, pad = self._inputs(block, explicit_steps)
         x = self._embed(tokens.t(), positions.t()).reshape(width * rows, -1)
         mask = self._self_mask(slot, block, pad)
-        write = slot.lengths.view(rows, 1, 1, 1) + block.query_index.view(1, 1, width, 1)
+        # padding columns past the capacity spill into its last entry, never a real one (the
+        # real entries stay below it: capacity_for) and never attended to (relative to its row
+        # it is a padding column or past the block)
+        write = (slot.lengths.view(rows, 1, 1, 1) + block.query_index.view(1, 1, width, 1)
+                 ).clamp(max=slot.capacity - 1)
         for i, layer in enumerate(slot.layers):
             heads, head_dim = layer.heads, layer.head_dim
             residual = x
