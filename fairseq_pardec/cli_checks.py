@@ -9,6 +9,7 @@ import os
 import sys
 
 from fairseq_pardec.errors import UsageError, running_a_cli, warn
+from fairseq_pardec.input_files import FILE_FLAGS, file_problem, require_file
 
 
 def task_flags():
@@ -107,9 +108,15 @@ def check_interactive_input(argv):
         if sys.stdin is None or sys.stdin.closed:
             raise UsageError("fairseq-interactive reads sentences from standard input, which is "
                              "closed: pipe them in, or give a file with --input FILE")
-    elif not os.path.isfile(source):
-        raise UsageError("--input %s: %s" % (source, "a directory, not a file"
-                                             if os.path.isdir(source) else "no such file"))
+    else:
+        require_file(source, "--input")
+
+
+def check_file_flags(argv):
+    """A directory given where a file is expected (the folder of the checkpoints, of a corpus)."""
+    for flag, path in values(argv, *FILE_FLAGS):
+        if os.path.isdir(path):
+            raise UsageError(file_problem(path, flag, *FILE_FLAGS[flag]))
 
 
 def check_argv(argv=None):
@@ -119,6 +126,7 @@ def check_argv(argv=None):
     check_sizes(argv)
     check_precision(argv)
     check_interactive_input(argv)
+    check_file_flags(argv)
     used = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in task_flags()]
     if used and _task(argv) != "translation_pardec":
         raise UsageError(

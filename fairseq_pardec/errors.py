@@ -75,18 +75,19 @@ _FAIRSEQ_MODULES = ("generate.py", "interactive.py", "train.py", "validate.py")
 
 # What fairseq itself raises for a handful of bad inputs, as a one-line message of ours. fairseq
 # raises these from its own main, before or around our code, so they cannot be caught earlier.
+# Each message is given the match and the error (where it was raised tells which input line).
 _FAIRSEQ_FAILURES = (
     (OSError, r"Model file not found: (.*)",
-     lambda m: "--path %s: no such checkpoint file" % m.group(1)),
+     lambda m, _: "--path %s: no such checkpoint file" % m.group(1)),
     (RuntimeError, r"PytorchStreamReader failed|failed finding central directory|unpickling",
-     lambda m: "--path: a checkpoint is truncated or not a torch checkpoint (%s); check the "
-               "file, or train/copy it again" % m.group(0)),
+     lambda m, _: "--path: a checkpoint is truncated or not a torch checkpoint (%s); check the "
+                  "file, or train/copy it again" % m.group(0)),
     (AssertionError, r"--sampling requires --nbest to be equal to --beam",
-     lambda m: "--sampling draws one sample per sentence: add --beam 1 (fairseq requires "
-               "--nbest = --beam with --sampling)"),
+     lambda m, _: "--sampling draws one sample per sentence: add --beam 1 (fairseq requires "
+                  "--nbest = --beam with --sampling)"),
     (AssertionError, r"--temperature must be greater than 0",
-     lambda m: "--temperature must be > 0 (it divides the scores before sampling); for greedy "
-               "output drop --sampling and --temperature"),
+     lambda m, _: "--temperature must be > 0 (it divides the scores before sampling); for greedy "
+                  "output drop --sampling and --temperature"),
     (FileNotFoundError, failures.MISSING_DICTIONARY, failures.missing_dictionary),
     (FileNotFoundError, failures.MISSING_SPLIT, failures.missing_split),
     (Exception, failures.NO_LANGUAGE_PAIR, failures.no_language_pair),
@@ -111,7 +112,7 @@ def one_line(error):
     for kind, pattern, message in _FAIRSEQ_FAILURES:
         match = re.search(pattern, str(error)) if isinstance(error, kind) else None
         if match:
-            return PREFIX + message(match)
+            return PREFIX + message(match, error)
     return None
 
 
@@ -243,3 +244,7 @@ def install_cli_boundary():
     hook._pardec = True
     sys.excepthook = hook
     handle_sigterm()
+    if cli and os.path.basename(sys.argv[0]).startswith(("fairseq-train", "train.py")):
+        from fairseq_pardec import checkpoint_saving
+
+        checkpoint_saving.install()  # a checkpoint that cannot be written: one line, no .tmp

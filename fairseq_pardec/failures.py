@@ -84,30 +84,40 @@ _SIZE_MISMATCH = re.compile(
     r"model is torch\.Size\(\[(\d+), \d+\]\)")
 
 
-def dictionary_mismatch(error):
-    """A checkpoint loaded with dictionaries of other sizes than it was trained with."""
+def dictionary_sizes(error):
+    """"its source dictionary has N types, this data's has M; ..." where ``error`` is torch's
+    refusal to load a checkpoint into a model built with dictionaries of other sizes, or None."""
     if not isinstance(error, RuntimeError):
         return None
     sides = {}
     for part, _, trained, here in _SIZE_MISMATCH.findall(str(error)):
         sides.setdefault("source" if part == "encoder" else "target", (int(trained), int(here)))
-    if not sides:
+    return "; ".join("its %s dictionary has %d types, this data's has %d" % (side, *sizes)
+                     for side, sizes in sorted(sides.items())) or None
+
+
+def other_dictionaries(which, sizes, data="this data's"):
+    return ("%s was trained with other dictionaries than %s (%s): decode data binarized with "
+            "the checkpoint's dictionaries (fairseq-preprocess --srcdict/--tgtdict with the "
+            "dict.*.txt of its training data)" % (which, data, sizes))
+
+
+def dictionary_mismatch(error):
+    """A checkpoint loaded with dictionaries of other sizes than it was trained with."""
+    sizes = dictionary_sizes(error)
+    if sizes is None:
         return None
     frame = raised_in(error, "fairseq.checkpoint_utils", "load_model_ensemble_and_task")
     path = frame.f_locals.get("filename") if frame is not None else None
     which = "%s %s" % (flag_of(path), path) if isinstance(path, str) else "the checkpoint"
-    sizes = "; ".join("its %s dictionary has %d types, this data's has %d" % (side, *sizes)
-                      for side, sizes in sorted(sides.items()))
-    return ("%s was trained with other dictionaries than this data's (%s): decode data "
-            "binarized with the checkpoint's dictionaries (fairseq-preprocess --srcdict/--tgtdict "
-            "with the dict.*.txt of its training data)" % (which, sizes))
+    return other_dictionaries(which, sizes)
 
 
 # ---------------------------------------------------------------- data directories
 MISSING_DICTIONARY = r"No such file or directory: '(.*dict\.([^/']*)\.txt)'"
 
 
-def missing_dictionary(match):
+def missing_dictionary(match, error=None):
     path, language = match.group(1), match.group(2)
     folder = os.path.dirname(path) or "."
     have = [n[len("dict."):-len(".txt")]
@@ -123,7 +133,7 @@ def missing_dictionary(match):
 MISSING_SPLIT = r"Dataset not found: (\S+) \((.*)\)$"
 
 
-def missing_split(match):
+def missing_split(match, error=None):
     split, folder = match.group(1), match.group(2)
     flag = "%s %s" % (flag_of(split, "--gen-subset"), split)
     names = set(_names(folder))
@@ -175,7 +185,7 @@ def bad_binarized_file(error):
 TRUNCATED_BIN = r"offset must be non-negative and no greater than buffer length"
 
 
-def truncated_bin(match):
+def truncated_bin(match, error=None):
     return ("a binarized .bin file of the data is shorter than its .idx says (truncated): "
             "copy the data directory again, or binarize it again with fairseq-preprocess "
             "(--task translation_pardec names the file)")
@@ -195,7 +205,7 @@ def no_space(error):
 NO_LANGUAGE_PAIR = r"Could not infer language pair"
 
 
-def no_language_pair(match):
+def no_language_pair(match, error=None):
     return ("-s/-t: the data directory has no binarized files (SPLIT.SRC-TGT.LANG.bin) to infer "
             "the languages from; give the directory that fairseq-preprocess wrote, or -s SRC "
             "-t TGT")
@@ -207,16 +217,52 @@ TOO_LONG = (r"Size of sample #(\d+) is invalid \(=\(%s, %s\)\) since "
             r"max_positions=\((\d+), (\d+)\)" % (_SIZE, _SIZE))
 
 
-def too_long(match):
+def _interactive_buffer_start(error):
+    """The input line (from 0) that fairseq-interactive's buffer began with where ``error`` was
+    raised, or None. fairseq numbers the sentences of each buffer from 0: without it, a long
+    second line was "sentence #0"."""
+    traceback = getattr(error, "__traceback__", None)
+    while traceback is not None:
+        frame = traceback.tb_frame
+        code = frame.f_code  # run as fairseq-interactive or as python -m (module __main__)
+        if (code.co_name == "main" and code.co_filename.replace(os.sep, "/").endswith(
+                "fairseq_cli/interactive.py") and isinstance(frame.f_locals.get("start_id"), int)):
+            return frame.f_locals["start_id"]
+        traceback = traceback.tb_next
+    return None
+
+
+def interactive_input_name(argv=None):
+    """fairseq-interactive's input as a line names it: ``--input FILE`` or standard input."""
+    argv = sys.argv if argv is None else argv
+    source = "-"
+    for i, arg in enumerate(argv):
+        if arg.startswith("--input="):
+            source = arg.split("=", 1)[1]
+        elif arg == "--input" and i + 1 < len(argv):
+            source = argv[i + 1]
+    return "standard input" if source == "-" else "--input %s" % source
+
+
+def too_long(match, error=None):
     index, source, target, max_source, max_target = match.groups()
     if int(source) > int(max_source):
-        # fairseq's own translation task cuts binarized splits only, not interactive input
-        where = (" and --task translation_pardec" if "interactive" in os.path.basename(
-            sys.argv[0] if sys.argv else "") else "")
+        start = _interactive_buffer_start(error)
+        if start is not None:
+            # fairseq's own translation task cuts binarized splits only, not interactive input;
+            # ours cuts them (--truncate-source) or skips them one by one with a warning
+            ours = ("cut such lines with --truncate-source" if "translation_pardec" in sys.argv
+                    else "add --task translation_pardec, which skips such lines with a warning "
+                    "and decodes the rest (or cuts them with --truncate-source)")
+            return ("%s line %d has %s source tokens (EOS included), more than the %s the "
+                    "model takes (--max-source-positions): %s, or skip them with "
+                    "--skip-invalid-size-inputs-valid-test"
+                    % (interactive_input_name(), start + int(index) + 1, source, max_source,
+                       ours))
         return ("sentence #%s has %s source tokens (EOS included), more than the %s the model "
-                "takes (--max-source-positions): cut long sources with --truncate-source%s, or "
+                "takes (--max-source-positions): cut long sources with --truncate-source, or "
                 "skip them with --skip-invalid-size-inputs-valid-test"
-                % (index, source, max_source, where))
+                % (index, source, max_source))
     return ("sentence #%s has a reference of %s tokens, more than --max-target-positions %s: "
             "skip such sentences with --skip-invalid-size-inputs-valid-test"
             % (index, target, max_target))

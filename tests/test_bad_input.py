@@ -209,6 +209,21 @@ def test_draft_corpus_that_is_not_text(cli_data, stock_checkpoint):
     assert_clean_error(proc, "--draft-corpus %s is not UTF-8 text" % binary)
 
 
+@pytest.mark.parametrize("flag,generator,what", [
+    ("--draft-corpus", "lookup", "text file"),
+    ("--drafter-path", "gad", "checkpoint file"),
+])
+def test_directory_given_for_a_file(cli_data, stock_checkpoint, flag, generator, what):
+    """The folder of the corpus (or of the checkpoints) was told as "no such file"."""
+    root, data = cli_data
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", generator,
+                    flag, root / "raw", check=False)
+    assert_clean_error(proc, "fairseq_pardec: error: %s %s is a directory, not a %s; give the "
+                       "file itself (the directory holds: " % (flag, root / "raw", what))
+    if what == "text file":
+        assert "test.tgt" in proc.stderr  # what it holds: the file that was meant
+
+
 # ---------------------------------------------------------------------- flags fairseq accepts silently
 @pytest.mark.parametrize("size", ["0", "-1"])
 def test_batch_size_below_one(cli_data, stock_checkpoint, size):
@@ -249,22 +264,85 @@ def interactive(data, ckpt, *extra, input_text=None):
                "--max-len-b", 10, *extra, input_text=input_text, check=False)
 
 
-def test_interactive_line_longer_than_the_model_takes(cli_data, stock_checkpoint):
+LONG_LINE = " ".join(["слово"] * 1100)  # the model takes 1024 tokens
+# the long line is the second: fairseq numbered it #0 of its buffer, and stopped there
+WITH_A_LONG_LINE = "Це речення .\n%s\nЩе одне речення .\nІ ще одне .\n" % LONG_LINE
+
+
+@pytest.mark.parametrize("buffer_size", [1, 3])
+def test_interactive_line_longer_than_the_model_takes(cli_data, stock_checkpoint, buffer_size):
+    """Refused in one line that gives its line number in the input, skipped, the rest decoded."""
     _, data = cli_data
     ckpt = stock_checkpoint / "checkpoint_last.pt"
-    lines = " ".join(["слово"] * 1100) + "\nЦе речення .\n"  # the model takes 1024 tokens
-    proc = interactive(data, ckpt, input_text=lines)
-    assert_clean_error(proc, "sentence #0 has 1101 source tokens", "--truncate-source")
-    cut = interactive(data, ckpt, "--truncate-source", input_text=lines)
-    assert cut.returncode == 0 and "Traceback" not in cut.stderr, cut.stderr[-2000:]
-    assert len(re.findall(r"^H-\d+\t", cut.stdout, re.M)) == 2
+    proc = interactive(data, ckpt, "--buffer-size", buffer_size, input_text=WITH_A_LONG_LINE)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    warnings = [l for l in proc.stderr.splitlines() if l.startswith("fairseq_pardec:")]
+    assert warnings == [
+        "fairseq_pardec: warning: standard input line 2 has 1101 source tokens (EOS included), "
+        "more than the 1024 the model takes (--max-source-positions): skipped, no H-1; cut long "
+        "lines with --truncate-source"], proc.stderr[-2000:]
+    assert sorted(hypotheses(proc.stdout)) == [0, 2, 3]
+    cut = interactive(data, ckpt, "--truncate-source", input_text=WITH_A_LONG_LINE)
+    assert cut.returncode == 0 and "fairseq_pardec:" not in cut.stderr, cut.stderr[-2000:]
+    assert sorted(hypotheses(cut.stdout)) == [0, 1, 2, 3]
+
+
+def test_long_lines_numbered_across_buffers(monkeypatch, capsys):
+    """fairseq-interactive builds a dataset per buffer of lines, numbered from 0 in each: the
+    lines counted before give the long line's number in the input."""
+    from helpers import make_dictionary, make_task
+
+    from fairseq_pardec.tasks.interactive_input import skip_long_lines
+
+    argv = ["/venv/bin/fairseq-interactive", "data", "--input", "in.txt"]
+    monkeypatch.setattr(sys, "argv", argv)  # warnings go to stderr, as on the command line
+    d = make_dictionary(20)
+    task = make_task(d)
+
+    def buffer(*lengths):
+        import torch
+
+        tokens = [torch.full((n,), d.nspecial, dtype=torch.long) for n in lengths]
+        return task.build_dataset_for_inference(tokens, list(lengths))
+
+    first, second = buffer(3, 9, 4), buffer(9, 2)
+    for dataset in (first, second):
+        skip_long_lines(task, dataset, (8, 8))
+    assert sorted(first.ordered_indices().tolist()) == [0, 2]
+    assert second.ordered_indices().tolist() == [1]
+    said = [l for l in capsys.readouterr().err.splitlines() if l.startswith("fairseq_pardec")]
+    assert said == ["fairseq_pardec: warning: --input in.txt line %d has 9 source tokens (EOS "
+                    "included), more than the 8 the model takes (--max-source-positions): "
+                    "skipped, no H-%d; cut long lines with --truncate-source" % (n + 1, n)
+                    for n in (1, 3)]
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/fairseq-generate", "data"])
+    other = buffer(9)  # another command line's datasets are fairseq's to refuse
+    skip_long_lines(task, other, (8, 8))
+    assert other.ordered_indices().tolist() == [0]
+
+
+def test_interactive_long_line_with_the_stock_task(cli_data, stock_checkpoint, tmp_path):
+    """fairseq's own task stops at the long line: the line says which one it is."""
+    _, data = cli_data
+    given = tmp_path / "input.txt"
+    given.write_text(WITH_A_LONG_LINE, encoding="utf-8")
+    proc = run("fairseq_cli.interactive", data, "--user-dir", PLUGIN, "--task", "translation",
+               "--path", stock_checkpoint / "checkpoint_last.pt", "--source-lang", "src",
+               "--target-lang", "tgt", "--beam", 1, "--input", given, check=False)
+    assert_clean_error(proc, "fairseq_pardec: error: --input %s line 2 has 1101 source tokens"
+                       % given,
+                       "add --task translation_pardec")
+    assert "sentence #0" not in proc.stderr
 
 
 def test_interactive_without_input(cli_data, stock_checkpoint, tmp_path):
     _, data = cli_data
     ckpt = stock_checkpoint / "checkpoint_last.pt"
     proc = interactive(data, ckpt, "--input", tmp_path / "nope.txt")
-    assert_clean_error(proc, "--input %s: no such file" % (tmp_path / "nope.txt"))
+    assert_clean_error(proc, "--input %s does not exist (no such file)" % (tmp_path / "nope.txt"))
+    folder = interactive(data, ckpt, "--input", tmp_path)
+    assert_clean_error(folder, "--input %s is a directory, not a file; give the file itself"
+                       % tmp_path)
     closed = subprocess.run(  # standard input closed, as a daemon or `<&-` leaves it
         [sys.executable, "-m", "fairseq_cli.interactive", str(data), "--user-dir", PLUGIN,
          "--task", "translation_pardec", "--path", str(ckpt), "-s", "src", "-t", "tgt"],
@@ -376,12 +454,28 @@ def test_interrupted_run_says_so_and_keeps_the_earlier_file(cli_data, stock_chec
     (["--generators", "iad:block_size=0"], ["block_size must be >= 1"]),
     (["--out-dir", "A-FILE/out"], ["--out-dir", "cannot be made"]),
     (["--path", "EMPTY"], ["--path", "is empty (0 bytes)"]),
+    (["--path", "CKPT-DIR"], ["--path CKPT-DIR is a directory, not a checkpoint file; give the "
+                              "file itself (the directory holds: checkpoint1.pt"]),
+    (["--generators", "greedy:path=CKPT-DIR"], ["--generators greedy:path=CKPT-DIR: "
+                                                "path=CKPT-DIR is a directory, not a checkpoint"]),
+    (["--generators", "greedy:path=NOPE"], ["path=NOPE does not exist (no such checkpoint "
+                                            "file)"]),
+    (["--generators", "lookup:draft_corpus=CKPT-DIR"], ["draft_corpus=CKPT-DIR is a directory, "
+                                                        "not a text file"]),
 ])
 def test_benchmark_bad_input(cli_data, stock_checkpoint, not_checkpoints, tmp_path, flags, needles):
     """Refused before anything is decoded (results are written only at the end)."""
     _, data = cli_data
     (tmp_path / "a-file").write_text("x", encoding="utf-8")
-    swap = {"A-FILE/out": tmp_path / "a-file" / "out", "EMPTY": not_checkpoints / "empty.pt"}
+    swap = {"A-FILE/out": tmp_path / "a-file" / "out", "EMPTY": not_checkpoints / "empty.pt",
+            "CKPT-DIR": stock_checkpoint, "NOPE": tmp_path / "nope.pt"}
+
+    def filled(text):  # the placeholders, also inside a spec (greedy:path=CKPT-DIR)
+        for name, path in swap.items():
+            text = text.replace(name, str(path))
+        return text
+
+    flags, needles = [filled(f) for f in flags], [filled(n) for n in needles]
     args = {"--path": stock_checkpoint / "checkpoint_last.pt", "--out-dir": tmp_path / "bench",
             "--generators": "greedy"}
     given = dict(args)
@@ -390,7 +484,7 @@ def test_benchmark_bad_input(cli_data, stock_checkpoint, not_checkpoints, tmp_pa
         j = i + 1
         while j < len(flags) and not flags[j].startswith("--"):
             j += 1
-        given[flags[i]] = [swap.get(v, v) for v in flags[i + 1:j]]
+        given[flags[i]] = flags[i + 1:j]
         i = j
     argv = [data, "--batch-sizes", 2, "--repeats", 3, "--max-sentences", 4, "--max-len-b", 8,
             "--threads", 1, "--no-progress"]
@@ -399,3 +493,54 @@ def test_benchmark_bad_input(cli_data, stock_checkpoint, not_checkpoints, tmp_pa
     proc = run("fairseq_pardec.benchmark", *argv, check=False)
     assert_clean_error(proc, *needles)
     assert not (tmp_path / "bench" / "results.json").exists()
+
+
+@pytest.mark.parametrize("module", ["fairseq_pardec.benchmark",
+                                    "fairseq_pardec.benchmark.draft_ceiling"])
+def test_benchmark_checkpoint_of_other_dictionaries(odd_data, stock_checkpoint, tmp_path, module):
+    """The line names --path, the checkpoint and both sizes of each dictionary."""
+    ckpt = stock_checkpoint / "checkpoint_last.pt"
+    argv = [odd_data["small-dicts"], "--path", ckpt, "--max-sentences", 4, "--max-len-b", 8]
+    if module == "fairseq_pardec.benchmark":
+        argv += ["--generators", "greedy", "--batch-sizes", 2, "--repeats", 1, "--threads", 1,
+                 "--no-progress", "--out-dir", tmp_path / "bench"]
+    proc = run(module, *argv, check=False)
+    assert_clean_error(proc, "fairseq_pardec: error: --path %s was trained with other "
+                       "dictionaries than those of the data %s (its source dictionary has 600 "
+                       "types, this data's has 100; its target dictionary has 600 types, this "
+                       "data's has 100)" % (ckpt, odd_data["small-dicts"]), "--srcdict/--tgtdict")
+    assert "path= checkpoint" not in proc.stderr
+
+
+# ---------------------------------------------------------------------- CTranslate2
+def test_ct2_without_ctranslate2(monkeypatch):
+    from fairseq_pardec.benchmark import ctranslate2_baseline
+
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import ctranslate2 fails
+    with pytest.raises(UsageError) as refused:
+        ctranslate2_baseline.import_ctranslate2()
+    assert one_line(refused.value) == (
+        "fairseq_pardec: error: CTranslate2 is not installed, and the ct2 generator needs it: "
+        "pip install ctranslate2 (or pip install -e '.[ct2]' in the project's folder)")
+
+
+def test_ct2_worker_without_ctranslate2(tmp_path, monkeypatch):
+    """The worker's interpreter cannot import ctranslate2 (where the benchmark's own process
+    can): said so, with the install command, not as an error of compute_type."""
+    from helpers import make_dictionary
+
+    from fairseq_pardec.benchmark import ctranslate2_baseline
+
+    shadow = tmp_path / "shadow" / "ctranslate2"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'ctranslate2'\")\n", encoding="utf-8")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "shadow"))  # read by the worker only
+    monkeypatch.setattr(ctranslate2_baseline, "import_ctranslate2", lambda: None)
+    d = make_dictionary(8)
+    with pytest.raises(UsageError) as refused:
+        ctranslate2_baseline.CTranslate2Generator(str(tmp_path), d, d)
+    assert one_line(refused.value) == (
+        "fairseq_pardec: error: ct2: CTranslate2 is not installed for %s, which runs the ct2 "
+        "worker (import ctranslate2: No module named 'ctranslate2'): pip install ctranslate2 "
+        "(or pip install -e '.[ct2]' in the project's folder)" % sys.executable)

@@ -10,6 +10,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -432,3 +433,88 @@ def test_benchmark_sigterm(tmp_path):
     assert lines == ["fairseq_pardec: error: interrupted (SIGTERM): no results written; the "
                      "earlier results.json in %s are kept" % out], stderr[-2000:]
     assert (out / "results.json").read_text(encoding="utf-8") == '{"earlier": true}'
+
+
+# ---------------------------------------------------------------------- fairseq-train's checkpoints
+@pytest.fixture
+def fairseq_checkpoint_writes(monkeypatch):
+    """The whole-or-nothing checkpoint writes, put back as fairseq's after the test."""
+    from fairseq import checkpoint_utils
+
+    from fairseq_pardec import checkpoint_saving
+
+    monkeypatch.setattr(checkpoint_utils, "torch_persistent_save",
+                        checkpoint_utils.torch_persistent_save)
+    monkeypatch.setattr(checkpoint_utils, "PathManager", checkpoint_utils.PathManager)
+    checkpoint_saving.install()
+    return checkpoint_utils
+
+
+def test_checkpoint_on_a_full_disk(tmp_path, fairseq_checkpoint_writes, monkeypatch):
+    """fairseq writes NAME.pt.tmp and renames it: a full disk (the .tmp name on /dev/full, so
+    ENOSPC is the file system's own) leaves the earlier checkpoint and no .tmp, at once (no
+    retries), and one line that names the file."""
+    checkpoint_utils = fairseq_checkpoint_writes
+    best = tmp_path / "checkpoint_best.pt"
+    torch.save({"earlier": True}, best)
+    os.symlink("/dev/full", str(best) + ".tmp")
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail("a full disk is not retried"))
+    with pytest.raises(OutputError) as failed:
+        checkpoint_utils.torch_persistent_save({"w": torch.zeros(4096)}, str(best))
+    assert failed.value.errno == errno.ENOSPC
+    assert one_line(failed.value).startswith(
+        "fairseq_pardec: error: --save-dir: cannot write %s (No space left on device); nothing "
+        "was replaced" % best)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_best.pt"]
+    assert torch.load(best) == {"earlier": True}
+    checkpoint_utils.torch_persistent_save({"w": 1}, str(best))  # room again: written as before
+    assert torch.load(best) == {"w": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_best.pt"]
+
+
+def test_checkpoint_copy_on_a_full_disk(tmp_path, fairseq_checkpoint_writes):
+    """checkpoint_last.pt is a copy of the step's first checkpoint: a full disk half-way
+    through the copy keeps the earlier checkpoint_last.pt whole."""
+    checkpoint_utils = fairseq_checkpoint_writes
+    best, last = tmp_path / "checkpoint_best.pt", tmp_path / "checkpoint_last.pt"
+    torch.save({"step": 2}, best)
+    torch.save({"step": 1}, last)
+    os.symlink("/dev/full", str(last) + ".tmp")
+    with pytest.raises(OutputError, match="cannot write %s \\(No space left" % last):
+        checkpoint_utils.PathManager.copy(str(best), str(last), overwrite=True)
+    assert torch.load(last) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_best.pt", "checkpoint_last.pt"]
+    assert checkpoint_utils.PathManager.copy(str(best), str(last), overwrite=True)
+    assert torch.load(last) == {"step": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_best.pt", "checkpoint_last.pt"]
+
+
+def test_fairseq_train_on_a_full_disk(cli_data, stock_checkpoint, tmp_path):
+    """fairseq-train itself: the step's checkpoint cannot be written (its .tmp name leads to
+    /dev/full); one line naming it, no traceback, no .tmp, the earlier checkpoints unchanged."""
+    from cli_setup import PLUGIN, TINY, copy_checkpoints, run
+
+    _, data = cli_data
+    save = copy_checkpoints(stock_checkpoint, tmp_path / "ckpt")
+    earlier = {p.name: p.read_bytes() for p in save.iterdir()}
+    full = [save / "checkpoint_best.pt.tmp", save / "checkpoint_last.pt.tmp"]
+    for name in full:
+        os.symlink("/dev/full", name)
+    # resumed from checkpoint_last.pt: two more updates, then validation and the checkpoints
+    proc = run("fairseq_cli.train", data, "--user-dir", PLUGIN, "--task", "translation", *TINY,
+               "--max-update", 14, "--save-dir", save, "--no-epoch-checkpoints", "--eval-bleu",
+               "--eval-bleu-args", '{"beam": 1}', "--best-checkpoint-metric", "bleu",
+               "--maximize-best-checkpoint-metric", check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("fairseq_pardec: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    written = re.match(r"fairseq_pardec: error: --save-dir: cannot write (\S+) \(No space left "
+                       r"on device\); nothing was replaced", lines[0])
+    assert written, lines[0]
+    # the .tmp of the file it names is gone; the other one, never written to, is ours
+    assert [str(p)[:-len(".tmp")] for p in full if not os.path.lexists(p)] == [written.group(1)]
+    for p in full:
+        if os.path.lexists(p):
+            os.remove(p)
+    assert {p.name: p.read_bytes() for p in save.iterdir()} == earlier

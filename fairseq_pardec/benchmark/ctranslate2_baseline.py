@@ -21,9 +21,8 @@ import torch
 from fairseq_pardec.errors import UsageError
 from fairseq_pardec.decoding.decode_stats import DecodeStats, count_hypotheses
 
-INSTALL_HINT = (
-    "the ct2 generator needs CTranslate2: pip install -e '.[ct2]' (or pip install ctranslate2)"
-)
+INSTALL = "pip install ctranslate2 (or pip install -e '.[ct2]' in the project's folder)"
+INSTALL_HINT = "CTranslate2 is not installed, and the ct2 generator needs it: " + INSTALL
 OPTIONS = ("beam", "compute_type")
 
 
@@ -96,7 +95,8 @@ class CTranslate2Generator:
         )
         weakref.finalize(self, _stop, self._worker)
         self._request({"model_dir": model_dir, "device": device, "compute_type": compute_type,
-                       "threads": threads}, "option compute_type")
+                       "threads": threads},
+                      "loading %s with compute_type=%s on %s" % (model_dir, compute_type, device))
         self.src_dict, self.tgt_dict = src_dict, tgt_dict
         self.beam = beam
         self.max_len_a, self.max_len_b, self.max_positions = max_len_a, max_len_b, max_positions
@@ -112,6 +112,10 @@ class CTranslate2Generator:
         except (EOFError, BrokenPipeError, pickle.UnpicklingError):
             raise UsageError("ct2: the CTranslate2 worker process ended (exit code %s)"
                              % self._worker.poll()) from None
+        if kind == "missing":
+            raise UsageError(
+                "ct2: CTranslate2 is not installed for %s, which runs the ct2 worker (import "
+                "ctranslate2: %s): %s" % (sys.executable, payload, INSTALL))
         if kind == "error":
             raise UsageError("ct2: %s (%s)" % (payload, what))
         return payload

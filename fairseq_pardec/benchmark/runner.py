@@ -26,9 +26,10 @@ import torch
 
 from fairseq_pardec.benchmark.report import markdown, plot
 from fairseq_pardec.benchmark.specs import check_spec
-from fairseq_pardec import errors
+from fairseq_pardec import errors, failures
 from fairseq_pardec.errors import (PREFIX, UsageError, install_cli_boundary, one_line,
                                    running_a_cli, warn)
+from fairseq_pardec.input_files import require_file
 from fairseq_pardec.output_files import replace_together
 
 logger = logging.getLogger("fairseq_pardec.benchmark")
@@ -106,18 +107,19 @@ def load(args):
     return task, model, use_cuda, utils
 
 
-def load_model(task, path, args, use_cuda):
+def load_model(task, path, args, use_cuda, flag="--path"):
+    """The checkpoint ``path``, given by ``flag`` (``--path``, or ``path=`` of a generator)."""
     from fairseq import checkpoint_utils
 
-    if not os.path.isfile(path):
-        raise UsageError("checkpoint %r does not exist (--path or path= of a generator)" % path)
+    require_file(path, flag, "checkpoint file", ".pt")
     try:
         models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
     except RuntimeError as e:
         if "size mismatch" not in str(e):  # not another vocabulary: a real failure, as it is
             raise
-        raise UsageError("cannot load %r with the dictionaries of %s (%s); every "
-                         "path= checkpoint must use the data's dictionaries" % (path, args.data, str(e).splitlines()[0]))
+        sizes = failures.dictionary_sizes(e) or str(e).splitlines()[-1].strip()
+        raise UsageError(failures.other_dictionaries(
+            "%s %s" % (flag, path), sizes, "those of the data %s" % args.data)) from None
     model = models[0]
     if args.fp16:
         model.half()
@@ -303,7 +305,7 @@ def run(args):
     for spec in specs:
         path = paths[spec[0]] = spec_path(spec, args)
         if path not in models:
-            models[path] = load_model(task, path, args, use_cuda)
+            models[path] = load_model(task, path, args, use_cuda, "--generators path=")
     # speedups are relative to the --path model's own greedy and beam rows
     greedy_label = next((s[0] for s in specs if s[1] == "greedy" and "path" not in s[2]), None)
     beam_label = next((s[0] for s in specs if s[1] == "beam" and "path" not in s[2]), None)
@@ -518,8 +520,7 @@ def check_paths(args):
     """The data directory and the checkpoint, named in one line where missing."""
     if not os.path.isdir(args.data):
         raise UsageError("data directory %r does not exist" % args.data)
-    if not os.path.isfile(args.path):
-        raise UsageError("checkpoint %r does not exist (--path)" % args.path)
+    require_file(args.path, "--path", "checkpoint file", ".pt")
 
 
 def quiet_logs():

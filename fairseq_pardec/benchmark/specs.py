@@ -8,6 +8,7 @@ labelled with an option that never applied.
 """
 
 import argparse
+import os
 
 from fairseq_pardec.errors import UsageError
 
@@ -32,6 +33,7 @@ def check_spec(spec, options):
     from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig
 
     name = spec.partition(":")[0]
+    check_files(spec, options)
     if name == "ct2":  # CTranslate2's own options, checked before anything is loaded
         from fairseq_pardec.benchmark.ctranslate2_baseline import check_options
 
@@ -82,6 +84,23 @@ def check_spec(spec, options):
                 validate(str(value))
             except argparse.ArgumentTypeError as error:
                 raise UsageError("--generators %s: %s %s" % (spec, key, error)) from None
+
+
+def check_files(spec, options):
+    """``path=`` (a checkpoint every spec that names one loads) and the task's file options
+    (``draft_corpus=``, ``drafter_path=``): a directory, or a missing checkpoint, before minutes
+    of loading."""
+    from fairseq_pardec.input_files import FILE_FLAGS, file_problem
+
+    given = {"path": ("checkpoint file", ".pt")}
+    given.update((flag[2:].replace("-", "_"), kind) for flag, kind in FILE_FLAGS.items())
+    for key, (what, suffix) in given.items():
+        path = options.get(key)
+        if not isinstance(path, str) or (key != "path" and not os.path.isdir(path)):
+            continue
+        problem = file_problem(path, key + "=", what, suffix)
+        if problem:
+            raise UsageError("--generators %s: %s" % (spec, problem))
 
 
 def _type_name(kind):
