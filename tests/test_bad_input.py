@@ -40,10 +40,17 @@ def test_no_room_for_output(cli_data, stock_checkpoint, generator):
 
 
 def test_sampling_without_beam_one(cli_data, stock_checkpoint):
+    """fairseq's own search samples --beam sequences and prints --nbest: with its default beam 5
+    fairseq refuses; a greedy-only generator samples one sequence (its beam is 1)."""
     _, data = cli_data
-    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
-                    "--sampling", check=False)
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--sampling", check=False)
     assert_clean_error(proc, "--sampling", "add --beam 1")
+    sampled = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                       "--sampling", "--seed", 3)
+    assert len(hypotheses(sampled.stdout)) == N_TEST
+    proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
+                    "--sampling", "--beam", 5, check=False)
+    assert_clean_error(proc, "--generator iad draws one sample per sentence, not 5", "--beam 1")
 
 
 @pytest.mark.parametrize("generator", ["greedy", "iad", "lean_greedy"])
@@ -51,7 +58,8 @@ def test_typed_beam_refused_by_greedy_generators(cli_data, stock_checkpoint, gen
     _, data = cli_data
     proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", generator,
                     "--beam", 5, check=False)
-    assert_clean_error(proc, "--generator %s decodes greedily" % generator, "drop --beam 5")
+    assert_clean_error(proc, "--generator %s decodes greedily (beam 1), not with beam 5" % generator,
+                       "--beam 1")
 
 
 def test_greedy_generator_reports_beam_one(cli_data, stock_checkpoint):
@@ -364,7 +372,7 @@ def test_results_file_of_an_earlier_run_survives_a_failed_run(cli_data, stock_ch
     earlier.write_text(EARLIER, encoding="utf-8")
     refused = generate(data, ckpt, "--generator", "iad", "--beam", 5, "--results-path", results,
                        check=False)
-    assert_clean_error(refused, "drop --beam 5")
+    assert_clean_error(refused, "not with beam 5")
     unreadable = generate(data, not_checkpoints / "empty.pt", "--generator", "iad",
                           "--results-path", results, check=False)
     assert_clean_error(unreadable, "is empty (0 bytes)")

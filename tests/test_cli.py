@@ -370,13 +370,14 @@ def test_blockwise_generator_needs_proposal_heads(cli_data, stock_checkpoint):
 
 
 def test_plugin_checkpoint_without_user_dir_fails_as_documented(cli_data, blockwise_checkpoint):
-    """The README documents fairseq's (misleading) error for a plugin arch without --user-dir."""
+    """docs/troubleshooting.md documents fairseq's (misleading) error for a plugin arch without
+    --user-dir."""
     _, data = cli_data
     proc = run("fairseq_cli.generate", data, "--path", blockwise_checkpoint, "--gen-subset",
                "test", check=False)
     assert proc.returncode != 0
     # torch >= 2.6 refuses the checkpoint's argparse.Namespace before fairseq even looks for the
-    # architecture (older torch: fairseq's IndexError/KeyError); README documents both
+    # architecture (older torch: fairseq's IndexError/KeyError); troubleshooting.md documents both
     assert re.search(r"argparse.Namespace|IndexError|KeyError", proc.stderr)
 
 

@@ -26,6 +26,7 @@ from fairseq_pardec.decoding.registry import GENERATORS, SPECS, help_text
 from fairseq_pardec.decoding.fairseq_baselines import use_beam_one
 from fairseq_pardec.decoding.options import ARG_VALIDATORS, refuse
 from fairseq_pardec.models.loading import mark_from_checkpoint
+from fairseq_pardec.tasks import interactive_input
 from fairseq_pardec.tasks.binarized_data import check_binarized
 from fairseq_pardec.tasks.checkpoint_fit import refuse_non_verifiers, warn_other_direction
 
@@ -268,6 +269,7 @@ class TranslationPardecTask(TranslationTask):
         # -validate, -interactive, library callers) keep the tail batch
         training = "skip_remainder_batch" in kwargs or len(args) >= _SKIP_REMAINDER_POSITION
         _keep_tail_batch(dataset, keep=not training)
+        interactive_input.skip_long_lines(self, dataset, kwargs.get("max_positions"))
         return super().get_batch_iterator(dataset, *args, **kwargs)
 
     # ------------------------------------------------------------------ generators
