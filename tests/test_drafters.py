@@ -258,3 +258,14 @@ def test_cpu_price_of_a_position_grows_with_the_active_rows():
     assert (drafter.quiet.rows, drafter.quiet.remaining) == (32, math.inf)
     drafter.CPU_PRICES = None
     assert drafter._row_caps(rows, room, 100) == [100] * 32
+
+
+def test_gpu_ceiling_fills_the_block_bucket():
+    """On a GPU the copy drafters' ceiling is 2^k - 1 drafts: with the row's last token the
+    block fills its bucket of the CUDA step's graphs (16 drafts would run 17 columns on 32)."""
+    d = make_dictionary()
+    drafter = CopyDrafter(d, d)
+    drafter.on_cpu = False
+    ceilings = [drafter._ceiling(rows) for rows in (1, 3, 64, 100, 128, 1000)]
+    assert ceilings == [2047, 511, 31, 15, 15, 15]
+    assert all((c + 1) & c == 0 for c in ceilings)

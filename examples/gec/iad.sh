@@ -2,7 +2,7 @@
 # Decode the UA-GEC test set with beam-5, greedy, IAD and lookup (stock fairseq-generate through
 # our task), compare IAD's and lookup's output with greedy, then run the side-by-side benchmark.
 # lookup drafts from the source like IAD and also from the output itself, which catches a model's
-# repetition loops (docs/results.md, UA-GEC, "iad and lookup").
+# repetition loops (docs/results-history.md, UA-GEC, "iad and lookup").
 #
 # usage: examples/gec/iad.sh [DATA_BIN] [CHECKPOINT] [OUT_DIR]
 #   defaults: data-prep/ua-gec/bin, checkpoints/gec-cpu/checkpoint_best.pt, results/gec

@@ -9,7 +9,7 @@
 # too much: give it time. MAX_MINUTES counts fairseq's recorded training time across restarts,
 # so re-running with a larger MAX_MINUTES resumes from SAVE_DIR/checkpoint_last.pt, e.g. in the
 # background: OMP_NUM_THREADS=1 MAX_MINUTES=240 nohup examples/gec/train-baseline.sh ... &
-# Measured on UA-GEC, cpu preset (docs/results.md): after 5 epochs (870 updates) iad gained 2.39
+# Measured on UA-GEC, cpu preset (docs/results-history.md): after 5 epochs (870 updates) iad gained 2.39
 # tokens per iteration at batch 1, after 9 epochs (1566 updates) see the results table.
 # Source and target share one dictionary (--joined-dictionary): the IAD copy drafter wants source
 # ids to be target ids, and --share-all-embeddings needs it.

@@ -64,7 +64,7 @@ def build_iad(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     """Input-guided aggressive decoding: copy drafts, exact verification."""
     # --block-size is the user's fixed cap; by default each row's cap follows its acceptance.
     # No measured prices here: on a UA-GEC model they cut iad's tokens per iteration at batch 1
-    # from 1.65 to 1.03 and its speed against lean_greedy (docs/results.md, "Priced drafts");
+    # from 1.65 to 1.03 and its speed against lean_greedy (docs/results-history.md, "Priced drafts");
     # auto decides by them
     drafter = CopyDrafter(
         task.source_dictionary, task.target_dictionary, block_size=task.cfg.block_size,
@@ -186,7 +186,7 @@ def build_auto(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
     # On the CPU the CPU's fixed prices decide (pricing.CPU_PRICES: no draft pays from 8
     # active rows on): on a UA-GEC model the prices measured from the iterations made auto
     # draft on 7% of its row-iterations at batch 1 and ran at 0.79 of the best single
-    # generator, fixed ones at 0.97 (docs/results.md, "Priced drafts"). Elsewhere the prices
+    # generator, fixed ones at 0.97 (docs/results-history.md, "Priced drafts"). Elsewhere the prices
     # are measured.
     on_cpu = next(models[0].parameters()).device.type == "cpu"
     auto = AutoDrafter(task.source_dictionary, dictionary, table, model=model, model_kind=kind,

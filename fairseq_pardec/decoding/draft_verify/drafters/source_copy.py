@@ -10,6 +10,7 @@ from torch import Tensor
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
                                                                 Drafter, QuietSpell,
                                                                 pad_drafts)
+from fairseq_pardec.decoding.step.static import draft_cap_for_bucket
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (CPU_PRICES, FixedPrices,
                                                                   IterationClock,
                                                                   IterationPrices, paying_length)
@@ -180,7 +181,10 @@ class CopyDrafter(Drafter):
         if self.block_size is not None:
             return self.block_size
         if not self.on_cpu:
-            return max(self.GPU_MIN_CEILING, self.GPU_POSITIONS // max(1, active_rows))
+            # a block of 2^k - 1 drafts and the row's last token fills its bucket of the CUDA
+            # step's graphs: 16 drafts would run a block of 17 on 32 columns
+            return draft_cap_for_bucket(
+                max(self.GPU_MIN_CEILING, self.GPU_POSITIONS // max(1, active_rows)))
         share = self.CPU_POSITIONS // max(1, active_rows)
         return max(self.CPU_MIN_CEILING, min(self.CPU_MAX_CEILING, share))
 
