@@ -252,14 +252,22 @@ def test_greedy_generators_leave_the_callers_config_alone(name):
     from fairseq.dataclass.configs import GenerationConfig
     from helpers import tiny_transformer
 
+    from fairseq_pardec.errors import UsageError
+
     d = make_dictionary(20)
     task = make_task(d, generator=name)
     model = tiny_transformer(task)
-    args = _generation_args(beam=5)
+    args = _generation_args()
+    del args.beam  # no beam at all (--eval-bleu-args '{}'): the generator's own, beam 1
     task.build_generator([model], args)
-    assert args.beam == 5
-    config = OmegaConf.structured(GenerationConfig())
+    assert not hasattr(args, "beam")
+    config = OmegaConf.structured(GenerationConfig(beam=1))
     OmegaConf.set_struct(config, True)
     OmegaConf.set_readonly(config, True)
     task.build_generator([model], config)
-    assert config.beam == 5
+    assert config.beam == 1
+    refused = OmegaConf.structured(GenerationConfig())  # fairseq's beam 5: never greedy silently
+    OmegaConf.set_readonly(refused, True)
+    with pytest.raises(UsageError, match="not with beam 5"):
+        task.build_generator([model], refused)
+    assert refused.beam == 5
