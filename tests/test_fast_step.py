@@ -197,6 +197,52 @@ def test_fast_step_only_where_it_computes_fairseqs_function():
     assert type(block_decoder_for(model.decoder, fast=True)) is LeanBlockDecoder
 
 
+@pytest.mark.parametrize("drafter", ["lean_greedy", "iad"])
+def test_the_step_follows_the_models_dtype(drafter):
+    """A model moved to another dtype after its generator was built (as fairseq moves the
+    --eval-bleu generator's model, or a user calls ``.double()``) is decoded by the step
+    chosen for that dtype, and then again by the fast step back in float32; in float32 and
+    float64 the outputs are fairseq's greedy ones. In bfloat16 the lean step runs without a
+    guard (no bound is claimed there, step/margins.py)."""
+    from fairseq_pardec.decoding.draft_verify.drafters import NoDrafter
+
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=35)
+    sample = random_batch(d, [3, 9, 6, 12, 1], seed=6)
+    limits = dict(max_len_a=1.2, max_len_b=10)
+    generator = DraftVerifyGenerator([model], d, NoDrafter() if drafter == "lean_greedy"
+                                     else CopyDrafter(d, d), ExactAcceptance(), **limits)
+    assert isinstance(generator.block_decoder, FastBlockDecoder)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float32):
+        model.to(dtype)
+        fast = dtype == torch.float32
+        assert type(generator.block_decoder) is (FastBlockDecoder if fast else LeanBlockDecoder)
+        assert isinstance(generator.encode, FastEncoder) == fast
+        assert (generator.block_decoder.margin is None) == (dtype == torch.bfloat16)
+        got = by_id(sample, generator.generate([model], sample))
+        if dtype != torch.bfloat16:
+            assert got == by_id(sample, fairseq_greedy(model, d, sample, **limits))
+    # a steady run keeps its step (and the weights it prepared)
+    step = generator.block_decoder
+    generator.generate([model], sample)
+    assert generator.block_decoder is step
+
+
+def test_a_given_step_is_kept_across_dtypes():
+    """A step assigned to the generator decodes every batch (tests run the engine on a given
+    step), the encoder still following the model."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=36)
+    generator = _iad(model, d)
+    given = LeanBlockDecoder(model.decoder)
+    generator.block_decoder = given
+    model.double()
+    assert generator.block_decoder is given
+    assert not isinstance(generator.encode, FastEncoder)
+    model.float()
+    assert generator.block_decoder is given and isinstance(generator.encode, FastEncoder)
+
+
 def test_products_agree_across_kernels_and_the_choice_follows_the_thread_count():
     """Every kernel computes x W^T + b (+ a residual, ReLU fused or not) within float32
     rounding, at every row count the native kernel unrolls and past a ragged last panel; the

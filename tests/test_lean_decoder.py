@@ -126,3 +126,22 @@ def test_output_projection_without_onednn(monkeypatch):
         monkeypatch.setattr(output_projection, "_ONEDNN_OK", None)
         assert torch.allclose(wide(x.double()), model.decoder.output_projection(x.double()))
         assert not wide._prepared()[1]
+
+
+def test_every_step_declares_the_engines_interface():
+    """Each step has every member the engine reads (step/interface.py), so that the engine
+    never probes a step for one; steps without a fast path say so with honest defaults."""
+    from fairseq_pardec.decoding.step.fast import FastBlockDecoder
+    from fairseq_pardec.decoding.step.interface import DecoderStep
+    from fairseq_pardec.decoding.step.static import StaticBlockDecoder
+
+    d = make_dictionary(30)
+    model = tiny_transformer(make_task(d), seed=5)
+    steps = [BlockDecoder(model.decoder), LeanBlockDecoder(model.decoder),
+             FastBlockDecoder(model.decoder), StaticBlockDecoder(model.decoder)]
+    for step in steps:
+        assert isinstance(step, DecoderStep), type(step).__name__
+    plain = steps[:2]
+    for step in plain:
+        assert not step.fast and step.kernels is None and step.scores_kernel() is None
+    assert steps[2].fast and steps[2].kernels is not None

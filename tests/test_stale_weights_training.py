@@ -38,9 +38,10 @@ def copy_data(tmp_path_factory):
     return data
 
 
-def _validations(data, generator, save_dir):
-    """Train two epochs with ``--eval-bleu --generator GENERATOR``; every hypothesis each
-    validation decoded, in order, per validation."""
+def _validations(data, generator, save_dir, extra=(), steps=None):
+    """Train two epochs with ``--eval-bleu --generator GENERATOR`` (and ``extra`` options);
+    every hypothesis each validation decoded, in order, per validation. ``steps``: a list the
+    type of each validation batch's decoder step is appended to (draft-and-verify generators)."""
     from fairseq.tasks.translation import TranslationTask
     from fairseq_cli import train
 
@@ -49,6 +50,8 @@ def _validations(data, generator, save_dir):
 
     def recorded(self, generator, models, sample, prefix_tokens=None, constraints=None):
         out = inference_step(self, generator, models, sample, prefix_tokens, constraints)
+        if steps is not None:
+            steps.append(type(generator.block_decoder))
         decoded.append({int(i): h[0]["tokens"].tolist() for i, h in zip(sample["id"], out)})
         return out
 
@@ -76,6 +79,7 @@ def _validations(data, generator, save_dir):
                 "--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_a": 1.2, "max_len_b": 10}',
                 "--no-save", "--save-dir", save_dir, "--no-progress-bar", "--log-format", "simple",
                 "--num-workers", 0, "--seed", 1, "--cpu", "--required-batch-size-multiple", 1,
+                *extra,
             ], monkeypatch)
         finally:
             torch.set_num_threads(threads)  # fairseq's training sets its own
@@ -90,3 +94,20 @@ def test_every_validation_of_a_fast_generator_is_greedys(copy_data, tmp_path):
     # the check means something only where the weights moved the outputs between epochs
     assert greedy[0] != greedy[-1]
     assert lean == greedy
+
+
+@pytest.mark.trains
+def test_validations_decode_with_the_step_for_the_model_as_moved(copy_data, tmp_path):
+    """fairseq builds the --eval-bleu generator before it moves the model (to the GPU, or with
+    --fp16 to float16): each validation decodes with the step chosen for the model as it is
+    then (factory.StepChoice), the lean step in float16, not the float32 CPU step the model
+    had when the generator was built. (In float16 no output is claimed identical to
+    fairseq's: step/margins.py.)"""
+    from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
+
+    steps = []
+    # (fairseq's flattened float32 copy of the parameters is made on CUDA only)
+    epochs = _validations(copy_data, "lean_greedy", tmp_path / "fp16",
+                          extra=["--fp16", "--fp16-no-flatten-grads"], steps=steps)
+    assert len(epochs) >= 2 and all(epochs)
+    assert steps and set(steps) == {LeanBlockDecoder}

@@ -62,8 +62,8 @@ from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, Spe
 from fairseq_pardec.decoding.draft_verify.drafters import pad_drafts
 from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
-from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
-from fairseq_pardec.decoding.step.factory import block_decoder_for
+from fairseq_pardec.decoding.step.factory import StepChoice
+from fairseq_pardec.decoding.step.interface import DecoderStep
 from fairseq_pardec.decoding.decode_stats import DecodeStats, PartTimer, StatsGenerator
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,10 @@ class DraftVerifyGenerator(StatsGenerator):
     ``margin``: the margin guard's bound, by default the decoder step's own (its ``margin``);
     a given one applies to every iteration, plain steps included (tests give a wide one to hand
     every decision to fairseq, or 0 to see a step's own choices).
+
+    The decoder step (step/interface.py) and the encoder are chosen per batch for the model's
+    device and dtype as they are then (step/factory.py): ``lean`` and ``fast`` say which steps
+    may be chosen. Assigning ``block_decoder`` or ``encode`` fixes that one for every batch.
     """
 
     def __init__(
@@ -108,7 +112,14 @@ class DraftVerifyGenerator(StatsGenerator):
         self.model = models[0]
         # as fairseq's SequenceGenerator: the model decodes in eval mode (no dropout)
         self.model.eval()
-        self.block_decoder = block_decoder_for(self.model.decoder, lean, fast)
+        # the decoder step (and the encoder that goes with it) for the model's device and
+        # dtype, chosen per batch (step/factory.py): fairseq builds the --eval-bleu generator
+        # before it moves the model to the GPU, and a user may call .cuda() or .half() later
+        self._steps = StepChoice(self.model, lean, fast)
+        # a step or an encoder assigned to the generator, used for every batch instead (tests
+        # run the engine on a given step)
+        self._given_step: Optional[DecoderStep] = None
+        self._given_encode = None
         # The margin guard's bound: the step's own (its ``margin``, step/margins.py) unless
         # given here; a given margin applies to every iteration, plain steps included (tests
         # hand every decision to fairseq with a wide one)
@@ -116,10 +127,6 @@ class DraftVerifyGenerator(StatsGenerator):
         # reads of the device by the tensor path (``_read``): one per iteration, two where a
         # close call was replayed
         self.device_reads = 0
-        # with the fast step, the encoder runs on the same kernels (step/fast_encoder.py)
-        self.encode = self.model.encoder.forward_torchscript
-        if getattr(self.block_decoder, "fast", False) and fast_encoder_supported(self.model.encoder):
-            self.encode = FastEncoder(self.model.encoder, self.block_decoder.kernels)
         self.tgt_dict = tgt_dict
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.vocab_size = len(tgt_dict)
@@ -151,6 +158,37 @@ class DraftVerifyGenerator(StatsGenerator):
                     "--blockwise-distance, --min-block-size)"
                 )
             drafter.set_sampler(sampler, temperature)
+
+    # ------------------------------------------------------------------ the step
+    def _step_and_encoder(self):
+        """The decoder step and the encoder of a batch starting now: those assigned to the
+        generator, else those chosen for the model's device and dtype as they are now."""
+        step, encode = self._given_step, self._given_encode
+        if step is None or encode is None:
+            chosen = self._steps.current()
+            step = chosen.step if step is None else step
+            encode = chosen.encode if encode is None else encode
+        return step, encode
+
+    @property
+    def block_decoder(self) -> DecoderStep:
+        """The decoder step the next batch runs (assigned: every batch runs that one)."""
+        return self._step_and_encoder()[0]
+
+    @block_decoder.setter
+    def block_decoder(self, step: DecoderStep):
+        self._given_step = step
+
+    @property
+    def encode(self):
+        """The encoder the next batch runs, ``encode(net_input)`` -> fairseq's encoder output
+        (with the fast step, the fast encoder on the same kernels: step/fast_encoder.py;
+        assigned: every batch runs that one)."""
+        return self._step_and_encoder()[1]
+
+    @encode.setter
+    def encode(self, encode):
+        self._given_encode = encode
 
     # ------------------------------------------------------------------ per-step adjustments
     def _adjust(self, lprobs: Tensor, steps: Tensor, layout: BlockLayout, max_len: int,
@@ -199,18 +237,18 @@ class DraftVerifyGenerator(StatsGenerator):
         return forced
 
     # ------------------------------------------------------------------ the margin guard
-    def _guard_margin(self) -> Optional[float]:
-        """The margin of this generator's guard; None where no guard runs: relaxed acceptance
-        or sampling (nothing to keep identical), or a step that claims no bound (half
-        precision: not guaranteed)."""
+    def _guard_margin(self, step: DecoderStep) -> Optional[float]:
+        """The margin of this generator's guard on ``step``; None where no guard runs: relaxed
+        acceptance or sampling (nothing to keep identical), or a step that claims no bound
+        (half precision: not guaranteed)."""
         if not self.acceptance.lossless or self.sampler is not None:
             return None
-        return self.margin if self.margin is not None else self.block_decoder.margin
+        return self.margin if self.margin is not None else step.margin
 
     def _guarded(self) -> bool:
         """Whether this generator's choices pass the margin guard (the benchmark reports its
         close calls)."""
-        return self._guard_margin() is not None
+        return self._guard_margin(self.block_decoder) is not None
 
     @staticmethod
     def _iteration_margin(batch: "_Batch") -> Optional[float]:
@@ -254,14 +292,16 @@ class DraftVerifyGenerator(StatsGenerator):
                              "at most the model's %d) is below --min-len %d; raise --max-len-b"
                              % (self.max_len_a, src_len, self.max_len_b, self.max_len - 1,
                                 self.min_len))
-        guard = self._guard_margin()
+        # chosen per batch: the model's device and dtype may have changed since the last one
+        step, encode = self._step_and_encoder()
+        guard = self._guard_margin(step)
         if self.acceptance.lossless and self.sampler is None:
             # read at generate time: the setting may change after the generator was built
             weight = self.model.decoder.embed_tokens.weight
             refuse_reduced_precision_matmuls(weight.device, weight.dtype)
-        encoder_out = self.encode(net_input)
+        encoder_out = encode(net_input)
         bos = self.eos if bos_token is None else bos_token
-        batch = _Batch(self, bsz, max_len, bos, encoder_out, prefix_tokens, device, guard)
+        batch = _Batch(self, step, bsz, max_len, bos, encoder_out, prefix_tokens, device, guard)
         with batch.drafter_timer:
             self.drafter.start(sample, encoder_out, bos)
         return batch
@@ -284,8 +324,9 @@ class DraftVerifyGenerator(StatsGenerator):
         room = batch.max_len - batch.n_out
         draft_room = room
         if batch.backoff is not None:  # the back-off lives on the host (backoff.py)
-            draft_room = batch.backoff.room(batch.max_len - batch.n_out_host,
-                                            batch.iteration).to(room.device)
+            draft_room = batch.backoff.room(batch.max_len - batch.n_out_host, batch.iteration)
+            # queued like a kernel: a blocking copy from the host would wait for the device
+            draft_room = draft_room.to(room.device, non_blocking=True)
         with batch.drafter_timer:
             draft, drafted = self.drafter.propose(batch.rows, batch.tokens, batch.n_out, draft_room)
         q = self.drafter.draft_probs if self.sampler is not None else None
@@ -305,11 +346,11 @@ class DraftVerifyGenerator(StatsGenerator):
         work runs on the block's real positions only. Returns the features, the (N, V) packed
         log-probabilities after fairseq's per-step edits, and the forced tokens (or None)."""
         with batch.verifier_timer:
-            encoder_out = (batch.encoder_out if self.block_decoder.reads_encoder_out(batch.cache)
-                           else None)
-            features = self.block_decoder.forward_packed(block.tokens, batch.n_out, block.layout,
-                                                         encoder_out, batch.cache)
-            lprobs = self.block_decoder.log_probs(features, self.temperature)
+            step = batch.step
+            encoder_out = batch.encoder_out if step.reads_encoder_out(batch.cache) else None
+            features = step.forward_packed(block.tokens, batch.n_out, block.layout, encoder_out,
+                                           batch.cache)
+            lprobs = step.log_probs(features, self.temperature)
         if block.width > 0:
             # cache entries computed at a block's shapes: later plain steps no longer round as
             # fairseq's own steps do (step/margins.py)
@@ -394,18 +435,27 @@ class DraftVerifyGenerator(StatsGenerator):
         """4. Append the accepted tokens and the next one (up to the first EOS) with their
         scores, show them to the drafter, and roll the cache back to the kept positions.
         Returns, per active row, whether it emitted EOS."""
-        b, k, ar, cols = block.rows, block.width, block.ar, block.cols
+        b, k, ar = block.rows, block.width, block.ar
         new_tokens, gained = outcome.new_tokens, outcome.gained
-        keep = cols.unsqueeze(0) < gained.unsqueeze(1)
+        gained_host = outcome.gained_host
 
         # after the accepted draft tokens, the verifier's own token at position n_acc
         cum = torch.cat([before[:, 1:], before.new_zeros(b, 1)], dim=1)
         own = new_tokens[ar, n_acc]
         cum[ar, n_acc] = before[ar, n_acc] + lprobs[block.layout.at(ar, n_acc), own]
-        r_idx = ar.unsqueeze(1).expand(b, k + 1)[keep]
-        c_idx = (batch.n_out.unsqueeze(1) + cols)[keep]
-        batch.tokens[r_idx, c_idx + 1] = new_tokens[keep]
-        batch.cum_scores[r_idx, c_idx] = cum[keep]
+        # Written without a boolean mask, whose nonzero would wait for the device: over the
+        # output steps some row reaches (known on the host), each row's own steps
+        # [n_out, n_out + gained) take the block's values, the others keep theirs
+        n_out_host = batch.n_out_host.numpy()
+        first, end = int(n_out_host.min()), int((n_out_host + gained_host).max())
+        at = (torch.arange(first, end, device=ar.device).unsqueeze(0)
+              - batch.n_out.unsqueeze(1))  # (B, steps): the block position written there
+        written = (at >= 0) & (at < gained.unsqueeze(1))
+        at = at.clamp(0, k)
+        tokens = batch.tokens.narrow(1, first + 1, end - first)
+        torch.where(written, new_tokens.gather(1, at), tokens, out=tokens)
+        scores = batch.cum_scores.narrow(1, first, end - first)
+        torch.where(written, cum.gather(1, at), scores, out=scores)
         batch.n_out = batch.n_out + gained
 
         # the drafter may read the verifier's state after the last kept position
@@ -415,15 +465,13 @@ class DraftVerifyGenerator(StatsGenerator):
                 self.drafter.observe(batch.rows, features[block.layout.at(ar, gained - 1)],
                                      gained - 1, new_tokens[ar, gained - 1])
         # the host's side, from the iteration's read
-        gained_host = outcome.gained_host
         if batch.backoff is not None and k > 0:
             batch.backoff.update(outcome.drafted_host, outcome.accepted_host,
                                  batch.iteration - 1)
-        n_out_host = batch.n_out_host.numpy()
         n_out_host += gained_host
-        batch.longest = int(n_out_host.max())
-        self.block_decoder.rollback(batch.cache, k + 1, gained,
-                                    keep_range=(min(gained_host), max(gained_host)))
+        batch.longest = end
+        batch.step.rollback(batch.cache, k + 1, gained,
+                            keep_range=(min(gained_host), max(gained_host)))
         return [bool(ended) for ended in outcome.done_host]
 
     def _retire(self, batch: "_Batch", done: List[bool]):
@@ -437,7 +485,7 @@ class DraftVerifyGenerator(StatsGenerator):
                 batch.finalized[batch.rows_host[r]] = [self._hypothesis(
                     batch.tokens[r], batch.cum_scores[r], int(batch.n_out_host[r]))]
             batch.keep(torch.tensor(alive, dtype=torch.long))
-        self.block_decoder.compact(batch.cache, self.compact_holes)
+        batch.step.compact(batch.cache, self.compact_holes)
 
     def _decide_close_calls(self, outcome: "_Outcome", n_acc, verifier, padded_draft, batch,
                             sample, bos_token):
@@ -537,9 +585,12 @@ class _Batch:
     """The rows of one ``generate`` call still decoding, and everything kept per row: what the
     steps of an iteration read and write, reordered together when rows finish."""
 
-    def __init__(self, generator: DraftVerifyGenerator, bsz: int, max_len: int, bos: int,
-                 encoder_out, prefix: Optional[Tensor], device, guard: Optional[float] = None):
+    def __init__(self, generator: DraftVerifyGenerator, step: DecoderStep, bsz: int,
+                 max_len: int, bos: int, encoder_out, prefix: Optional[Tensor], device,
+                 guard: Optional[float] = None):
         self.generator = generator
+        # the decoder step of this batch, chosen when it started (its cache is this step's)
+        self.step = step
         self.max_len = max_len
         # whether the iterations are decided on the host (host_decisions.py; set by _generate)
         self.on_host = False
@@ -551,7 +602,7 @@ class _Batch:
         # the margin guard: its margin (None: no guard), and whether every step so far ran one
         # position per row on a step that then rounds as fairseq does (no guard needed yet)
         self.guard = guard
-        self.exact_so_far = generator.margin is None and generator.block_decoder.one_position_exact
+        self.exact_so_far = generator.margin is None and step.one_position_exact
         # the encoder's output for the batch's rows; for the active rows it is reordered when
         # read (``encoder_out``): the fast step reads it once, when the batch starts
         self._encoder_out_all = encoder_out
@@ -568,7 +619,7 @@ class _Batch:
         # the cumulative score of each row's last accepted token, as a float32 value (kept by
         # the host path, host_decisions.py)
         self.prev_score = [0.0] * bsz
-        self.cache = generator.block_decoder.new_state()
+        self.cache = step.new_state()
         self.backoff = DraftBackoff(bsz) if generator.backoff else None
         # row count -> a block without drafts, less its tokens (_Block.last_tokens)
         self.plain_blocks = {}
@@ -593,13 +644,14 @@ class _Batch:
             self.prefix_host = self.prefix_host[alive]
         if self.backoff is not None:
             self.backoff.keep(alive)
-        alive = alive.to(self.rows.device)
+        # without waiting for the device (a copy from the host is queued like a kernel)
+        alive = alive.to(self.rows.device, non_blocking=True)
         self.rows, self.tokens = self.rows[alive], self.tokens[alive]
         self.cum_scores, self.n_out = self.cum_scores[alive], self.n_out[alive]
         if self.prefix is not None:
             self.prefix = self.prefix[alive]
         if alive.numel() > 0:
-            self.generator.block_decoder.reorder(self.cache, alive)
+            self.step.reorder(self.cache, alive)
 
     def forcing_prefix(self) -> Optional[Tensor]:
         """The forced prefixes while some row's next step lies inside them (known on the

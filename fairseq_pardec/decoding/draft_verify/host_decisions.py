@@ -29,6 +29,7 @@ from torch import Tensor
 
 from fairseq_pardec.decoding.draft_verify.drafters.base import Drafter
 from fairseq_pardec.decoding.draft_verify.margin_guard import _ADD_ROUNDING, fairseq_decision
+from fairseq_pardec.decoding.step.interface import DecoderStep
 
 _f32 = np.float32
 
@@ -43,12 +44,11 @@ def decides_on_host(generator, src_tokens: Tensor, prefix_tokens) -> bool:
             and generator.vocab_size > 2)
 
 
-def _best_two(block_decoder, lprobs: Tensor) -> Tuple[List[List[float]], List[int]]:
+def _best_two(step: DecoderStep, lprobs: Tensor) -> Tuple[List[List[float]], List[int]]:
     """Per packed position the two best log-probabilities and the first token holding the best:
     one pass of the native kernel where the step has it (native_scores.c), else ``topk``. Only
     a strict lead is read from the token (equal values are redone as fairseq does, below)."""
-    scores_kernel = getattr(block_decoder, "scores_kernel", None)
-    native = scores_kernel() if scores_kernel is not None else None
+    native = step.scores_kernel()
     if native is not None and lprobs.dtype == torch.float32 and lprobs.is_contiguous():
         return native.best_two(lprobs)
     top = lprobs.topk(2, dim=-1)
@@ -69,7 +69,7 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
                       bos_token) -> List[bool]:
     """Steps 3 and 4 of an iteration (engine.py) for every active row. Returns, per active row,
     whether it emitted EOS."""
-    values, best = _best_two(generator.block_decoder, lprobs)
+    values, best = _best_two(batch.step, lprobs)
     if block.host_lists is not None:
         drafts, lengths, pos = block.host_lists
     else:
@@ -151,6 +151,5 @@ def accept_and_commit(generator, batch, block, features: Tensor, lprobs: Tensor,
         gained_t = batch.uniform_gains(most)
     elif gained_t is None:
         gained_t = torch.tensor(gained, dtype=torch.long)
-    generator.block_decoder.rollback(batch.cache, block.width + 1, gained_t,
-                                     keep_range=(fewest, most))
+    batch.step.rollback(batch.cache, block.width + 1, gained_t, keep_range=(fewest, most))
     return done

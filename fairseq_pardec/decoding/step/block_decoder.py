@@ -94,6 +94,10 @@ class BlockDecoder:
     # fairseq's own modules on fairseq's shapes: it rounds exactly as fairseq does
     # (step/margins.py). A block of several positions does not: other product shapes.
     one_position_exact = True
+    # fairseq's own modules: the engine encodes with fairseq's encoder, and the step measures
+    # no product kernels of its own (step/interface.py)
+    fast = False
+    kernels = None
 
     @property
     def margin(self) -> Optional[float]:
@@ -101,6 +105,10 @@ class BlockDecoder:
         no bound is claimed (half precision)."""
         weight = self.decoder.embed_tokens.weight
         return rounding_margin(weight.device, weight.dtype)
+
+    def scores_kernel(self):
+        """No native kernel reads this step's scores: the engine reads them with ``topk``."""
+        return None
 
     def new_state(self) -> IncrementalState:
         """An empty decoder state for one batch (fairseq's incremental-state dictionary)."""

@@ -9,11 +9,20 @@ Every step declares how it rounds (step/margins.py): the static and fast steps r
 than fairseq everywhere; the lean step (on CUDA, or with the model's own output layer) and the
 modules round as fairseq does only one position per row, since a block multiplies matrices of
 other shapes. The engine's guard decides the close calls wherever a margin applies.
+
+The choice rests on the model's device and dtype, which may change after a generator was built
+(fairseq builds the ``--eval-bleu`` generator before it moves the model to the GPU or to
+float16; a library user may call ``.cuda()`` or ``.half()`` at any time): :class:`StepChoice`
+makes it again per batch, and keeps the step while they stay, so that a steady run builds
+nothing.
 """
 
 import logging
+import threading
+from typing import Callable, NamedTuple, Optional, Tuple
 
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder, check_supported_decoder
+from fairseq_pardec.decoding.step.interface import DecoderStep
 
 logger = logging.getLogger(__name__)
 _fallbacks_logged = set()
@@ -24,7 +33,7 @@ def _on_cuda(decoder) -> bool:
 
 
 def block_decoder_for(decoder, lean: bool = True, fast: bool = False,
-                      static=None) -> BlockDecoder:
+                      static=None) -> DecoderStep:
     """The step for ``decoder``.
 
     ``fast``: the fastest step that computes the decoder's function on its device, the static
@@ -63,3 +72,67 @@ def _log_fallback(decoder):
     logger.warning("%s's layers use options the lean decoder step does not reproduce "
                    "(NormFormer, bias_kv, cross-self-attention, ...): decoding with fairseq's "
                    "own modules, which is slower", kind)
+
+
+class ChosenStep(NamedTuple):
+    """A decoder step and the encoder that goes with it (``encode(net_input)`` -> fairseq's
+    encoder output dictionary)."""
+
+    step: DecoderStep
+    encode: Callable
+
+
+def encoder_for(encoder, step: DecoderStep) -> Callable:
+    """The encoder for ``step``: with a fast step, the fast encoder on the step's own product
+    kernels where it computes the encoder's function (step/fast_encoder.py); else fairseq's."""
+    from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
+
+    if step.fast and fast_encoder_supported(encoder):
+        return FastEncoder(encoder, step.kernels)
+    return encoder.forward_torchscript
+
+
+def _weight_key(module) -> tuple:
+    """The device and dtype of a fairseq encoder's or decoder's token embedding (the
+    parameter every device or dtype change moves with the rest); () for an encoder without
+    one (the fast encoder covers none such)."""
+    embed = getattr(module, "embed_tokens", None)
+    if embed is None:
+        return ()
+    weight = embed.weight
+    return weight.device, weight.dtype
+
+
+class StepChoice:
+    """The step and encoder for a model as it is now (:func:`block_decoder_for`,
+    :func:`encoder_for`), chosen again when the device or dtype of its decoder or encoder
+    changed, and kept while they stay: a steady run looks one key up per batch, and the step
+    keeps its prepared weights and measured kernels. A change of the weights' values at the
+    same device and dtype is the step's own business (step/weights_key.py).
+
+    Only the current choice is kept: a step holds its prepared copy of the weights (and the
+    static step its CUDA buffers and graphs), which a model moved elsewhere no longer needs.
+    """
+
+    def __init__(self, model, lean: bool = True, fast: bool = False):
+        check_supported_decoder(model.decoder)  # refused when the generator is built
+        self.model = model
+        self.lean, self.fast = lean, fast
+        self._chosen: Optional[Tuple[tuple, ChosenStep]] = None
+        self._lock = threading.Lock()  # two threads starting together build one step
+
+    def key(self) -> tuple:
+        """Everything the choice depends on that may change after the generator was built."""
+        return _weight_key(self.model.decoder) + _weight_key(self.model.encoder)
+
+    def current(self) -> ChosenStep:
+        key = self.key()
+        chosen = self._chosen  # read once: another thread may replace it
+        if chosen is None or chosen[0] != key:
+            with self._lock:
+                chosen = self._chosen
+                if chosen is None or chosen[0] != key:
+                    step = block_decoder_for(self.model.decoder, self.lean, self.fast)
+                    chosen = self._chosen = (key, ChosenStep(step, encoder_for(self.model.encoder,
+                                                                                step)))
+        return chosen[1]

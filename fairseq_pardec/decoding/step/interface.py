@@ -1,0 +1,78 @@
+"""What the draft-and-verify engine asks of a decoder step: the members it and its host decisions
+read, declared once.
+
+Every step (block_decoder.BlockDecoder, lean.LeanBlockDecoder, fast.FastBlockDecoder,
+static.StaticBlockDecoder) has each member, with an honest default where it has nothing to say
+(no native scores kernel, no kernel choice of its own, not fast), so that the engine never probes
+a step for what it might have. Which step decodes a model is chosen per batch, from the model's
+device and dtype at that moment (factory.StepChoice).
+"""
+
+from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
+
+from torch import Tensor
+
+from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.step.products import KernelChoice
+
+
+class BestTwoKernel(Protocol):
+    """A native pass over log-probabilities (step/native_scores.c)."""
+
+    def best_two(self, scores: Tensor) -> Tuple[List[List[float]], List[int]]:
+        """Per row of (N, V) float32 scores: [best, second] values and the first best token."""
+
+
+@runtime_checkable
+class DecoderStep(Protocol):
+    """One decoder's block step over a cache of its own (the ``state``)."""
+
+    @property
+    def fast(self) -> bool:
+        """Whether the step computes fairseq's function in its own, faster operations (the
+        engine then encodes with the fast encoder where that covers the encoder)."""
+
+    @property
+    def kernels(self) -> Optional[KernelChoice]:
+        """The product kernels measured on the decoder's shapes, shared with the fast encoder;
+        None: the step has no such choice (the encoder measures its own)."""
+
+    @property
+    def margin(self) -> Optional[float]:
+        """A bound on |this step's log-probability - fairseq's| (step/margins.py); None where
+        no bound is claimed (half precision)."""
+
+    @property
+    def one_position_exact(self) -> bool:
+        """Whether a plain greedy step (one position per row, on a cache only such steps
+        filled) rounds exactly as fairseq's does."""
+
+    def new_state(self) -> Any:
+        """An empty cache for one batch."""
+
+    def reads_encoder_out(self, state: Any) -> bool:
+        """Whether the next ``forward_packed`` on ``state`` reads its ``encoder_out``."""
+
+    def forward_packed(self, tokens: Tensor, start: Tensor, layout: BlockLayout, encoder_out,
+                       state: Any) -> Tensor:
+        """(B, L) block tokens at decoder steps ``start[b] + i`` on top of ``state`` -> (N, d)
+        features at the block's real positions, packed as ``layout`` says; the block's keys and
+        values are appended to ``state``."""
+
+    def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
+        """(..., d) features -> (..., V) float32 log-probabilities, as fairseq normalises them."""
+
+    def scores_kernel(self) -> Optional[BestTwoKernel]:
+        """The native kernel for the two best scores per position of this thread's latest
+        ``log_probs``; None where there is none (read them with ``topk``)."""
+
+    def rollback(self, state: Any, block_len: int, keep: Tensor,
+                 keep_range: Optional[Tuple[int, int]] = None) -> None:
+        """Of the last ``block_len`` cache entries keep the first ``keep[b]`` per row
+        (``keep_range``: their (min, max), when known on the host)."""
+
+    def compact(self, state: Any, min_holes: float = 0.5) -> None:
+        """Squeeze rolled-back holes out of the cache when they are ``min_holes`` of it."""
+
+    def reorder(self, state: Any, new_order: Tensor) -> None:
+        """Keep (and reorder) the batch's rows: finished rows leave."""
