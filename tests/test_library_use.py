@@ -134,8 +134,8 @@ def test_fallback_to_fairseqs_modules_is_logged_once(caplog):
     model = tiny_transformer(make_task(d), scale_attn=True)  # NormFormer: not the lean step
     lean_decoder._fallbacks_logged.discard(type(model.decoder).__name__)
     with caplog.at_level(logging.INFO):
-        for _ in range(2):
-            DraftVerifyGenerator([model], d, CopyDrafter(d, d), ExactAcceptance())
+        for _ in range(2):  # the step is chosen for the model as it is when asked for
+            DraftVerifyGenerator([model], d, CopyDrafter(d, d), ExactAcceptance()).block_decoder
     said = [r for r in caplog.records if "fairseq's own modules" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno >= logging.INFO
 

@@ -5,7 +5,6 @@ stub "graph" replays by running the call again into the outputs it recorded, the
 addresses a CUDA graph writes)."""
 
 import contextlib
-import functools
 import logging
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.step import cuda_graphs
-from fairseq_pardec.decoding.step.batch_state import new_batch_state
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 from fairseq_pardec.decoding.step.cuda_graphs import GraphSet, Recorded
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
@@ -124,12 +122,12 @@ def test_new_state_reserves_the_length_limit():
     assert state.slot.capacity == 256
 
 
-def test_batch_state_reserves_only_on_the_static_step():
+def test_every_step_takes_the_batchs_length_limit_and_only_the_static_one_reserves():
     d, model = _model()
     static = StaticBlockDecoder(model.decoder)
-    assert new_batch_state(static, 200).reserved == 201
+    assert static.new_state(max_len=200).reserved == 201
     lean = LeanBlockDecoder(model.decoder)
-    assert type(new_batch_state(lean, 200)) is type(lean.new_state())
+    assert type(lean.new_state(max_len=200)) is type(lean.new_state())
 
 
 def test_padding_past_the_capacity_spills_harmlessly():
@@ -164,7 +162,6 @@ def test_engine_never_grows_a_reserved_cache():
     expected = fairseq_greedy(model, d, sample, max_len_a=1.2, max_len_b=10)
     for drafter in (CopyDrafter(d, d), RandomDrafter(len(d), d.pad())):
         step = StaticBlockDecoder(model.decoder)
-        step.new_state = functools.partial(StaticBlockDecoder.new_state, step, max_len=max_len)
         generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), max_len_a=1.2,
                                          max_len_b=10)
         generator.block_decoder = step

@@ -619,7 +619,7 @@ class _Batch:
         # the cumulative score of each row's last accepted token, as a float32 value (kept by
         # the host path, host_decisions.py)
         self.prev_score = [0.0] * bsz
-        self.cache = step.new_state()
+        self.cache = step.new_state(max_len=max_len)
         self.backoff = DraftBackoff(bsz) if generator.backoff else None
         # row count -> a block without drafts, less its tokens (_Block.last_tokens)
         self.plain_blocks = {}

@@ -110,8 +110,9 @@ class BlockDecoder:
         """No native kernel reads this step's scores: the engine reads them with ``topk``."""
         return None
 
-    def new_state(self) -> IncrementalState:
-        """An empty decoder state for one batch (fairseq's incremental-state dictionary)."""
+    def new_state(self, max_len: Optional[int] = None) -> IncrementalState:
+        """An empty decoder state for one batch (fairseq's incremental-state dictionary); it
+        grows as rows do, so the batch's length limit ``max_len`` is not needed."""
         return {}
 
     # ------------------------------------------------------------------ embeddings

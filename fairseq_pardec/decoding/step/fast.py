@@ -204,7 +204,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         # the layers as one native call, where native_layers.c computes them (layer_stack.py)
         self.native_stack = True
 
-    def new_state(self) -> FastCache:
+    def new_state(self, max_len: Optional[int] = None) -> FastCache:  # grows as rows do
         return FastCache()
 
     def _own_projection(self):

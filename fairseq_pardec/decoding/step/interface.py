@@ -47,8 +47,10 @@ class DecoderStep(Protocol):
         """Whether a plain greedy step (one position per row, on a cache only such steps
         filled) rounds exactly as fairseq's does."""
 
-    def new_state(self) -> Any:
-        """An empty cache for one batch."""
+    def new_state(self, max_len: Optional[int] = None) -> Any:
+        """An empty cache for one batch whose rows output at most ``max_len`` tokens (EOS
+        included); a step with fixed-size buffers (the static CUDA step) sizes them from it
+        once, the others grow as rows do."""
 
     def reads_encoder_out(self, state: Any) -> bool:
         """Whether the next ``forward_packed`` on ``state`` reads its ``encoder_out``."""

@@ -109,7 +109,7 @@ class LeanBlockDecoder(BlockDecoder):
         self.heads = self.layers[0].self_attn.num_heads if self.layers else 1
         self._projection = None
 
-    def new_state(self) -> LeanCache:
+    def new_state(self, max_len: Optional[int] = None) -> LeanCache:  # grows as rows do
         return LeanCache()
 
     @property
