@@ -147,8 +147,10 @@ def test_cpu_ceiling_shrinks_with_the_active_rows():
     assert drafter_for(["w1"], d, block_size=3)._ceiling(32) == 3  # --block-size: fixed
     drafter.on_cpu = False
     # GPU: a longer block is about as cheap, but the log-probs it holds are not: a budget of
-    # positions per iteration bounds the first block (no history yet) of a wide batch
-    assert [drafter._ceiling(b) for b in (1, 64, 1000)] == [2048, 32, 16]
+    # positions per iteration bounds the first block (no history yet) of a wide batch; each
+    # ceiling is 2^k - 1 drafts, so that with the row's last token a block fills its bucket of
+    # the CUDA step's graphs (16 drafts would run 17 columns on 32)
+    assert [drafter._ceiling(b) for b in (1, 3, 64, 100, 1000)] == [2047, 511, 31, 15, 15]
 
 
 def test_generate_time_refusals_name_the_generator():
@@ -259,13 +261,3 @@ def test_cpu_price_of_a_position_grows_with_the_active_rows():
     drafter.CPU_PRICES = None
     assert drafter._row_caps(rows, room, 100) == [100] * 32
 
-
-def test_gpu_ceiling_fills_the_block_bucket():
-    """On a GPU the copy drafters' ceiling is 2^k - 1 drafts: with the row's last token the
-    block fills its bucket of the CUDA step's graphs (16 drafts would run 17 columns on 32)."""
-    d = make_dictionary()
-    drafter = CopyDrafter(d, d)
-    drafter.on_cpu = False
-    ceilings = [drafter._ceiling(rows) for rows in (1, 3, 64, 100, 128, 1000)]
-    assert ceilings == [2047, 511, 31, 15, 15, 15]
-    assert all((c + 1) & c == 0 for c in ceilings)
