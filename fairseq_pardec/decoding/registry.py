@@ -218,9 +218,10 @@ SPECS: Dict[str, GeneratorSpec] = {spec.name: spec for spec in (
     GeneratorSpec("gad", build_gad, "generalized aggressive decoding with a glat_drafter, "
                   "--drafter-path", DRAFT_VERIFY, greedy_only=True,
                   task_options=("block_size", "drafter_path", "gad_beta", "gad_tau", "draft_vocab")),
-    GeneratorSpec("auto", build_auto, "the fastest lossless greedy decoding: per row and "
-                  "iteration the draft that pays at measured prices (copy, lookup, --draft-corpus, "
-                  "proposal heads, --drafter-path) or none", DRAFT_VERIFY, greedy_only=True,
+    GeneratorSpec("auto", build_auto, "lossless greedy decoding that drafts where it pays: per "
+                  "row and iteration the draft that pays at measured prices (copy, lookup, "
+                  "--draft-corpus, proposal heads, --drafter-path) or none", DRAFT_VERIFY,
+                  greedy_only=True,
                   task_options=("draft_corpus", "drafter_path", "draft_vocab")),
     GeneratorSpec("interleaved", build_interleaved, "multi-word beam search of ibdecoder models; "
                   "beam and greedy map to it for them", INTERLEAVED, greedy_only=False,
@@ -234,8 +235,8 @@ GENERATORS = {name: spec.build for name, spec in SPECS.items()}
 def help_text() -> str:
     """``--generator``'s help: every name with its one-line summary."""
     return ("decoding method (default beam: fairseq's own search with fairseq's --beam, as "
-            "--task translation decodes; auto is the fastest lossless greedy one). The greedy-only "
-            "generators decode with beam 1 and refuse any other beam: "
+            "--task translation decodes; auto: fairseq greedy's output, drafting where a draft "
+            "pays). The greedy-only generators decode with beam 1 and refuse any other beam: "
             + ", ".join("%s (%s)" % (s.name, s.summary) for s in SPECS.values()))
 
 
