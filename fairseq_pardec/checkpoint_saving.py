@@ -17,6 +17,7 @@ import time
 import traceback
 
 from fairseq_pardec.errors import output_error
+from fairseq_pardec.output_files import remove_if_there
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 RETRIES, RETRY_WAIT = 3, 2.5  # fairseq's, for a file system that fails for a moment
@@ -34,13 +35,6 @@ def full_disk(error):
     return None
 
 
-def _remove(path):
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-
-
 def _settled(write, temporary, path):
     """Run ``write`` (which writes ``temporary``), then rename it to ``path``; on any failure
     (Ctrl-C too) remove ``temporary``, and tell a full disk as an ``OutputError``."""
@@ -49,7 +43,7 @@ def _settled(write, temporary, path):
         os.replace(temporary, path)
         return result
     except BaseException as error:
-        _remove(temporary)
+        remove_if_there(temporary)
         full = full_disk(error)
         if full is not None:
             raise output_error(full, path, "--save-dir") from None

@@ -19,7 +19,8 @@ def temporary_name(path):
     return os.path.join(folder, ".%s.%d.tmp%s" % (stem, os.getpid(), ext))
 
 
-def _remove(path):
+def remove_if_there(path):
+    """Remove ``path`` if it is there (a temporary file a failed write left)."""
     try:
         os.remove(path)
     except OSError:
@@ -51,7 +52,7 @@ def replace_together(writers, flag):
     finally:
         for temporary in staged.values():
             if os.path.exists(temporary):
-                _remove(temporary)
+                remove_if_there(temporary)
 
 
 def write_text(path, text, flag):
