@@ -7,7 +7,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.draft_verify import margin_guard
-from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls, fairseq_decision
+from fairseq_pardec.decoding.draft_verify.margin_guard import fairseq_decision, lead_is_certain
 from fairseq_pardec.decoding.step.fast import DEFAULT_MARGIN, FastBlockDecoder
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
@@ -140,16 +140,16 @@ def test_rejected_entries_are_overwritten():
     assert torch.equal(after, fresh)
 
 
-def test_close_calls():
+def test_lead_is_certain():
     lprobs = torch.log_softmax(torch.tensor([
         [3.0, 1.0, 0.0],                # a clear lead
         [1.0, 1.0 - 1e-5, 0.0],         # within the margin
         [0.0, float("-inf"), float("-inf")],  # one candidate left (EOS forced): never close
     ]), dim=-1)
-    top = lprobs.topk(2, dim=-1).values
-    assert close_calls(top, torch.zeros(3), margin=1e-4).tolist() == [False, True, False]
+    top = lprobs.topk(2, dim=-1).values.tolist()
+    assert [lead_is_certain(a, b, 0.0, margin=1e-4) for a, b in top] == [True, False, True]
     # a large cumulative score widens the slack by the rounding of adding it
-    assert bool(close_calls(top[:1], torch.tensor([-1e8]), margin=1e-4)[0])
+    assert not lead_is_certain(top[0][0], top[0][1], -1e8, margin=1e-4)
 
 
 def _iad(model, d, **kwargs):

@@ -48,6 +48,28 @@ class AcceptanceRule:
         # Length of the run of True from the left.
         return ok.long().cumprod(dim=1).sum(dim=1)
 
+    # The engine's decisions (decisions.py) walk each row's draft on the host: a draft token
+    # equal to the verifier's is kept by every rule; one that differs asks ``host_ok``, with
+    # the verdict the device computed for it (``device_verdicts``) where the rule reads
+    # log-probabilities.
+
+    def device_verdicts(self, draft: Tensor, lprobs: Tensor, positions: Tensor):
+        """(B, K) bool, on the device, for a rule that reads log-probabilities (``token_ok``
+        on the packed (N, V) rows, ``positions`` naming each draft position's row); None for a
+        rule that decides from the tokens alone."""
+        if not self.reads_log_probs:
+            return None
+        return self.token_ok(draft, DraftScores(lprobs, positions, draft), None)
+
+    def host_ok(self, draft_token: int, verifier_token: int, verdict: float) -> bool:
+        """Whether a draft token other than the verifier's may stand in for it (``verdict``:
+        the device's, 1.0 or 0.0, for a rule that reads log-probabilities)."""
+        return self.reads_log_probs and verdict > 0.5
+
+    def least_accepted(self, drafted: int) -> int:
+        """How many of a row's ``drafted`` tokens are kept whatever the verifier says."""
+        return 0
+
 
 class DraftScores:
     """The verifier's log-probabilities as relaxed rules read them: each draft token's own and
@@ -121,6 +143,7 @@ class DistanceAcceptance(AcceptanceRule):
         if eps < 0:
             raise UsageError("--blockwise-distance must be >= 0 (got %g)" % eps)
         self.values = ordinal_values(dictionary)
+        self.host_values = self.values.tolist()  # the host's decisions read these
         self.eps = eps
         self.reads_log_probs = False
 
@@ -131,6 +154,10 @@ class DistanceAcceptance(AcceptanceRule):
         distance = (values[draft] - values[verifier_tokens]).abs()
         exact = draft.eq(verifier_tokens)
         return exact | (distance <= self.eps)  # NaN distances (specials) compare False
+
+    def host_ok(self, draft_token, verifier_token, verdict):
+        values = self.host_values
+        return abs(values[draft_token] - values[verifier_token]) <= self.eps  # NaN: False
 
 
 class MinimumBlock(AcceptanceRule):
@@ -150,6 +177,15 @@ class MinimumBlock(AcceptanceRule):
         accepted = self.rule.accept(draft, draft_valid, lprobs, verifier_tokens, positions)
         floor = torch.clamp(draft_valid.long().sum(dim=1), max=self.min_block - 1)
         return torch.maximum(accepted, floor)
+
+    def device_verdicts(self, draft, lprobs, positions):
+        return self.rule.device_verdicts(draft, lprobs, positions)
+
+    def host_ok(self, draft_token, verifier_token, verdict):
+        return self.rule.host_ok(draft_token, verifier_token, verdict)
+
+    def least_accepted(self, drafted):
+        return min(drafted, self.min_block - 1)
 
 
 class TopBetaTauAcceptance(AcceptanceRule):

@@ -1,10 +1,15 @@
 """What the engine keeps while a batch decodes (engine.py): the active rows and everything kept
-per row (:class:`Batch`), one iteration's block of last tokens and drafts (:class:`Block`), and
-what an iteration keeps of each row (:class:`Outcome`). They change together when the engine's
-state changes; the iteration itself reads top to bottom in engine.py."""
+per row (:class:`Batch`), and one iteration's block of last tokens and drafts (:class:`Block`).
+
+The host decides every token (decisions.py), so the accepted tokens, their scores and the row
+lengths live on the host, on every device. The device gets what the decoder step and the
+drafters that run there read: the block's tokens and layout, the rows' lengths, the kept counts
+of a rollback, each a copy queued like a kernel (``to_device``), never a wait.
+"""
 
 from typing import List, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -12,6 +17,12 @@ from fairseq_pardec.decoding.decode_stats import PartTimer
 from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.interface import DecoderStep
+
+
+def to_device(host: Tensor, device) -> Tensor:
+    """A device copy of a host tensor, queued without waiting for the device. A new tensor on
+    the CPU too: the host's own keeps changing, and the copy must not."""
+    return host.clone().to(device, non_blocking=True)
 
 
 class Batch:
@@ -24,9 +35,8 @@ class Batch:
         self.generator = generator
         # the decoder step of this batch, chosen when it started (its cache is this step's)
         self.step = step
+        self.device = torch.device(device)
         self.max_len = max_len
-        # whether the iterations are decided on the host (host_decisions.py; set by _generate)
-        self.on_host = False
         self.prefix = prefix  # (B, P) forced prefix tokens, pad = not forced; or None
         # the same on the host (read once per batch: rows inside it draft it)
         self.prefix_host = prefix.cpu() if prefix is not None and prefix.size(1) else None
@@ -40,51 +50,47 @@ class Batch:
         # read (``encoder_out``): the fast step reads it once, when the batch starts
         self._encoder_out_all = encoder_out
         self._encoder_out = (self.rows, encoder_out)
-        # accepted tokens after BOS, and their cumulative scores
-        self.tokens = torch.full((bsz, max_len + 2), generator.pad, dtype=torch.long,
-                                 device=device)
+        # on the host: BOS and the accepted tokens, their cumulative scores, the row lengths
+        self.tokens = torch.full((bsz, max_len + 2), generator.pad, dtype=torch.long)
         self.tokens[:, 0] = bos
-        self.cum_scores = torch.zeros(bsz, max_len + 1, device=device)
-        self.n_out = torch.zeros(bsz, dtype=torch.long, device=device)
-        # the same lengths on the host (updated from the iteration's one read), and their max
+        self.cum_scores = torch.zeros(bsz, max_len + 1)
         self.n_out_host = torch.zeros(bsz, dtype=torch.long)
+        # the row lengths on the device (the decoder step's positions), after every commit
+        self.n_out = torch.zeros(bsz, dtype=torch.long, device=device)
         self.longest = 0
-        # the cumulative score of each row's last accepted token, as a float32 value (kept by
-        # the host path, host_decisions.py)
+        # the cumulative score of each row's last accepted token, as a float32 value
         self.prev_score = [0.0] * bsz
         self.cache = step.new_state(max_len=max_len)
         self.backoff = DraftBackoff(bsz) if generator.backoff else None
         # row count -> a block without drafts, less its tokens (Block.last_tokens)
         self.plain_blocks = {}
-        # (row count, count) -> (B,) tensor of count (uniform_gains)
+        # (row count, count) -> (B,) tensor of count on the device (uniform_gains)
         self._uniform_gains = {}
         self.finalized = [[] for _ in range(bsz)]
         # every active row has gained >= 1 token per iteration: n_out >= iteration
         self.iteration = 0
         # the drafter's and the verifier's shares of the time (benchmark)
-        self.drafter_timer = PartTimer(generator.stats, "drafter_time", torch.device(device))
-        self.verifier_timer = PartTimer(generator.stats, "verifier_time", torch.device(device))
+        self.drafter_timer = PartTimer(generator.stats, "drafter_time", self.device)
+        self.verifier_timer = PartTimer(generator.stats, "verifier_time", self.device)
 
-    def keep(self, alive: Tensor):
-        """Keep the active rows ``alive`` (indices into the active rows, on the host), in that
-        order."""
-        self.n_out_host = self.n_out_host[alive]
-        order = alive.tolist()
-        self.prev_score = [self.prev_score[i] for i in order]
-        self.rows_host = [self.rows_host[i] for i in order]
-        self.longest = int(self.n_out_host.max()) if alive.numel() else 0
+    def keep(self, alive: List[int]):
+        """Keep the active rows ``alive`` (indices into the active rows), in that order."""
+        alive_host = torch.tensor(alive, dtype=torch.long)
+        self.n_out_host = self.n_out_host[alive_host]
+        self.tokens, self.cum_scores = self.tokens[alive_host], self.cum_scores[alive_host]
+        self.prev_score = [self.prev_score[i] for i in alive]
+        self.rows_host = [self.rows_host[i] for i in alive]
+        self.longest = int(self.n_out_host.max()) if alive else 0
         if self.prefix_host is not None:
-            self.prefix_host = self.prefix_host[alive]
+            self.prefix_host = self.prefix_host[alive_host]
         if self.backoff is not None:
-            self.backoff.keep(alive)
-        # without waiting for the device (a copy from the host is queued like a kernel)
-        alive = alive.to(self.rows.device, non_blocking=True)
-        self.rows, self.tokens = self.rows[alive], self.tokens[alive]
-        self.cum_scores, self.n_out = self.cum_scores[alive], self.n_out[alive]
+            self.backoff.keep(alive_host)
+        alive_dev = to_device(alive_host, self.device)
+        self.rows, self.n_out = self.rows[alive_dev], self.n_out[alive_dev]
         if self.prefix is not None:
-            self.prefix = self.prefix[alive]
-        if alive.numel() > 0:
-            self.step.reorder(self.cache, alive)
+            self.prefix = self.prefix[alive_dev]
+        if alive:
+            self.step.reorder(self.cache, alive_dev)
 
     def forcing_prefix(self) -> Optional[Tensor]:
         """The forced prefixes while some row's next step lies inside them (known on the
@@ -94,13 +100,13 @@ class Batch:
         return self.prefix
 
     def uniform_gains(self, count: int) -> Tensor:
-        """(B,) ``count`` for every active row, kept per row count and count (each iteration
-        of a generator that drafts nothing gains one token in every row)."""
+        """(B,) ``count`` for every active row on the device, kept per row count and count
+        (each iteration of a generator that drafts nothing gains one token in every row)."""
         key = (self.n_out_host.numel(), count)
         gains = self._uniform_gains.get(key)
         if gains is None:
             gains = self._uniform_gains[key] = torch.full(key[:1], count, dtype=torch.long,
-                                                           device=self.rows.device)
+                                                           device=self.device)
         return gains
 
     @property
@@ -114,80 +120,61 @@ class Batch:
         return encoder_out
 
 
-class Outcome:
-    """What one iteration keeps of each row: on the device, the (B, L) token grid and the (B,)
-    gains and first EOS columns; on the host, from the iteration's one read, the gains, whether
-    each row ended, what it drafted and accepted, and its first close call (None: no guard)."""
-
-    def __init__(self, new_tokens: Tensor, gained: Tensor, first_eos: Tensor,
-                 gained_host: List[int], done_host: List[int], drafted_host: List[int],
-                 accepted_host: List[int], first_close: Optional[List[int]] = None):
-        self.new_tokens, self.gained, self.first_eos = new_tokens, gained, first_eos
-        self.gained_host, self.done_host = gained_host, done_host
-        self.drafted_host, self.accepted_host = drafted_host, accepted_host
-        self.first_close = first_close
-
-
 class Block:
-    """One iteration's block: per row, [last accepted token, draft], padded to one width."""
+    """One iteration's block: per row, [last accepted token, draft], padded to one width.
 
-    # (drafts, draft lengths, packed positions) as lists, where they are known without reading
-    # the tensors (a block without drafts); None: read them
-    host_lists = None
+    Built on the host from the drafts as lists (``drafts``, ``lengths``, and ``pos``: per row
+    and block position its packed row, -1 at padding); the decoder step reads ``tokens`` and
+    ``layout`` on the device. The drafts as device tensors, which speculative sampling and the
+    relaxed acceptance rules read, are made when first read (``__getattr__``).
+    """
+
     # whether the drafter proposed for this block (else it is not shown the outcome either)
     proposed = True
+    # (B, K, V) the drafts' distributions (speculative sampling) or None
+    q = None
 
     @classmethod
     def last_tokens(cls, batch: Batch, pad: int, proposed: bool = True) -> "Block":
         """The block without drafts, each row's last accepted token (a greedy step), built in a
-        few operations: at batch 32 the general constructor's dozen cost 3% of an iteration."""
-        rows = batch.tokens.size(0)
+        few operations: what depends on the row count alone is kept per row count."""
+        rows = batch.n_out_host.numel()
         template = batch.plain_blocks.get(rows)
         if template is None:
-            # what depends on the number of rows only: built once per row count and batch
             template = batch.plain_blocks[rows] = cls.__new__(cls)
-            device = batch.tokens.device
-            template.draft = batch.tokens.new_zeros(rows, 0)
-            template.draft_len = template.drafted = batch.tokens.new_zeros(rows)
-            template.q = None
+            template.device, template.padded_with = batch.device, pad
             template.rows, template.width = rows, 0
-            template.ar = torch.arange(rows, device=device)
-            template.cols = torch.zeros(1, dtype=torch.long, device=device)
-            template.pad = torch.zeros(rows, 1, dtype=torch.bool, device=device)
+            template.cols = torch.zeros(1, dtype=torch.long, device=batch.device)
+            template.pad = torch.zeros(rows, 1, dtype=torch.bool, device=batch.device)
             template.layout = BlockLayout(template.pad, dense=True)
-            template.draft_valid = template.pad[:, 1:]
-            template.draft_pos = template.draft
-            template.padded_draft = batch.tokens.new_full((rows, 1), pad)
-            # what the host decisions read of it: no drafts, one position per row
-            template.host_lists = ([[]] * rows, [0] * rows, [[r] for r in range(rows)])
+            template.drafts, template.lengths = [[]] * rows, [0] * rows
+            template.pos = [[r] for r in range(rows)]
         block = cls.__new__(cls)
         block.__dict__.update(template.__dict__)
-        block.tokens = batch.tokens.gather(1, batch.n_out.unsqueeze(1))
+        last = batch.tokens.numpy()[np.arange(rows), batch.n_out_host.numpy()]
+        block.tokens = to_device(torch.from_numpy(last).view(rows, 1), batch.device)
         block.proposed = proposed
         return block
 
     @classmethod
-    def from_lists(cls, batch: Batch, drafts: List[List[int]], draft: Tensor, drafted: Tensor,
-                   pad: int) -> "Block":
-        """The block of an iteration decided on the host (host_decisions.py), built from the
-        drafter's lists: what the decoder step and the decisions read, in a few operations
-        (the general constructor's dozen cost about as much as a verified position at batch
-        1). The tensor path's own fields are made if read (``__getattr__``)."""
+    def from_lists(cls, batch: Batch, drafts: List[List[int]], pad: int,
+                   q: Optional[Tensor] = None) -> "Block":
+        """The block of the drafter's lists ``drafts``, one per active row."""
         block = cls.__new__(cls)
-        block.draft, block.draft_len, block.drafted, block.q = draft, drafted, drafted, None
-        block.padded_with = pad
+        block.device, block.padded_with, block.q = batch.device, pad, q
         rows, lengths = len(drafts), [len(d) for d in drafts]
         width = max(lengths)
-        block.rows, block.width = rows, width
+        block.rows, block.width, block.drafts, block.lengths = rows, width, drafts, lengths
         last = batch.tokens.numpy()
         n_out = batch.n_out_host.tolist()
-        block.tokens = torch.tensor([[int(last[r, n_out[r]])] + d + [pad] * (width - len(d))
-                                     for r, d in enumerate(drafts)])
-        block.cols = torch.arange(width + 1)
+        block.tokens = to_device(torch.tensor(
+            [[int(last[r, n_out[r]])] + d + [pad] * (width - len(d))
+             for r, d in enumerate(drafts)]), batch.device)
+        block.cols = torch.arange(width + 1, device=batch.device)
         if min(lengths) == width:
-            block.pad = torch.zeros(rows, width + 1, dtype=torch.bool)
+            block.pad = torch.zeros(rows, width + 1, dtype=torch.bool, device=batch.device)
             block.layout = BlockLayout(block.pad, dense=True)
-            pos = [[j * rows + r for j in range(width + 1)] for r in range(rows)]
+            block.pos = [[j * rows + r for j in range(width + 1)] for r in range(rows)]
         else:  # real positions packed time-major: position j of every row, then j + 1
             pos = [[-1] * (width + 1) for _ in range(rows)]
             index = []
@@ -196,36 +183,23 @@ class Block:
                     if j <= lengths[r]:
                         pos[r][j] = len(index)
                         index.append(j * rows + r)
-            block.pad = torch.tensor([[j > n for j in range(width + 1)] for n in lengths])
+            block.pad = to_device(torch.tensor([[j > n for j in range(width + 1)]
+                                                for n in lengths]), batch.device)
             block.layout = BlockLayout.from_host(block.pad, index, pos)
-        block.host_lists = (drafts, lengths, pos)
+            block.pos = pos
         return block
 
     def __getattr__(self, name):
-        """The tensor path's fields of a block built ``from_lists`` (only read off the host
-        path: a test forcing the tensor path, a replay)."""
-        if name not in ("ar", "draft_valid", "draft_pos", "padded_draft"):
+        """The drafts as device tensors (speculative sampling, relaxed acceptance)."""
+        if name not in ("ar", "draft", "draft_len", "draft_valid", "draft_pos", "padded_draft"):
             raise AttributeError(name)
-        device = self.draft.device
+        device, width = self.device, self.width
+        padded = torch.tensor([d + [self.padded_with] * (width + 1 - len(d))
+                               for d in self.drafts], dtype=torch.long).view(self.rows, width + 1)
+        self.padded_draft = to_device(padded, device)
+        self.draft = self.padded_draft[:, :width]
+        self.draft_len = to_device(torch.tensor(self.lengths, dtype=torch.long), device)
         self.ar = torch.arange(self.rows, device=device)
         self.draft_valid = ~self.pad[:, 1:]
-        self.draft_pos = self.layout.pos[:, :self.width].clamp(min=0)
-        self.padded_draft = torch.cat([self.draft, self.draft.new_full((self.rows, 1),
-                                                                         self.padded_with)], dim=1)
+        self.draft_pos = self.layout.pos[:, :width].clamp(min=0)
         return getattr(self, name)
-
-    def __init__(self, batch: Batch, draft: Tensor, draft_len: Tensor, drafted: Tensor,
-                 q: Optional[Tensor], pad: int):
-        device = draft.device
-        self.draft, self.draft_len = draft, draft_len  # (B, K), (B,)
-        self.drafted = drafted  # (B,) the drafter's own draft lengths (backoff reads them)
-        self.q = q  # (B, K, V) the drafts' distributions (speculative sampling) or None
-        self.rows, self.width = draft.size(0), draft.size(1)
-        self.ar = torch.arange(self.rows, device=device)
-        self.tokens = torch.cat([batch.tokens[self.ar, batch.n_out].unsqueeze(1), draft], dim=1)
-        self.cols = torch.arange(self.width + 1, device=device)
-        self.pad = self.cols.unsqueeze(0) > draft_len.unsqueeze(1)  # (B, K + 1)
-        self.layout = BlockLayout(self.pad)
-        self.draft_valid = ~self.pad[:, 1:]
-        self.draft_pos = self.layout.pos[:, :self.width].clamp(min=0)  # packed row of each draft
-        self.padded_draft = torch.cat([draft, draft.new_full((self.rows, 1), pad)], dim=1)

@@ -34,12 +34,13 @@ call*, decided by replaying fairseq's own arithmetic for that sentence at batch 
 device (draft_verify/margin_guard.py). float32 CUDA products set to TF32 are refused. In
 float16/bfloat16 no bound is claimed and no guard runs: outputs are not guaranteed identical.
 
-Each iteration reads the device once: per row what it gained, whether it ended, what it drafted
-and kept, and where its first close call lies (``_read``; a second read only in the rare
-iteration with a close call, whose replay reads the device anyway). Acceptance, commit, rollback
-and the retired rows' hypotheses are device operations. On the CPU, where reads cost nothing and
-each small tensor operation costs microseconds, exact decisions are made in Python instead
-(host_decisions.py), number for number the same.
+Every token is decided on the host (decisions.py), on every device, from one read of the device
+per iteration: per verified position the best token after fairseq's edits, its log-probability
+and the runner-up's (with speculative sampling, what it drew). A second read comes only in an
+iteration with a close call, whose replay reads the device anyway, or with a tie that fairseq
+breaks by ``topk``'s order, or where the drafter drafts on the device (its drafts are read).
+The accepted tokens and their scores live on the host; the device gets the block and the kept
+counts as copies queued like kernels.
 """
 
 import logging
@@ -51,20 +52,18 @@ from torch import Tensor
 
 from fairseq_pardec.errors import UsageError
 
-from fairseq_pardec.decoding.fairseq_rules import (beam_one_choice, running_scores,
-                                                             token_rules)
+from fairseq_pardec.decoding.fairseq_rules import token_rules
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.margins import refuse_reduced_precision_matmuls
-from fairseq_pardec.decoding.draft_verify.margin_guard import close_calls, fairseq_decision
-from fairseq_pardec.decoding.draft_verify.host_decisions import accept_and_commit, decides_on_host
+from fairseq_pardec.decoding.draft_verify.decisions import decide, read_positions, sampled
 from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
-from fairseq_pardec.decoding.draft_verify.drafters import pad_drafts
+from fairseq_pardec.decoding.draft_verify.drafters.base import Drafter
 from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
 from fairseq_pardec.decoding.step.factory import StepChoice
 from fairseq_pardec.decoding.step.interface import DecoderStep
 from fairseq_pardec.decoding.decode_stats import DecodeStats, StatsGenerator
-from fairseq_pardec.decoding.draft_verify.batch_state import Batch, Block, Outcome
+from fairseq_pardec.decoding.draft_verify.batch_state import Batch, Block, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +123,8 @@ class DraftVerifyGenerator(StatsGenerator):
         # given here; a given margin applies to every iteration, plain steps included (tests
         # hand every decision to fairseq with a wide one)
         self.margin = margin
-        # reads of the device by the tensor path (``_read``): one per iteration, two where a
-        # close call was replayed
+        # reads of the device (``read``): one per iteration, more where a close call was
+        # replayed, a tie redone, or drafts made on the device
         self.device_reads = 0
         self.tgt_dict = tgt_dict
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
@@ -145,9 +144,6 @@ class DraftVerifyGenerator(StatsGenerator):
         self.src_pad = self.pad
         # rows whose drafts keep being rejected stop drafting for a while (draft_verify/backoff.py)
         self.backoff = backoff and not drafter.drafts_nothing
-        # exact decisions on the CPU are made in Python (host_decisions.py); False forces the
-        # tensor path (tests compare the two)
-        self.host_decisions = True
         # --sampling: speculative sampling replaces the acceptance rule (speculative.py)
         self.sampler = sampler
         if sampler is not None:
@@ -210,11 +206,10 @@ class DraftVerifyGenerator(StatsGenerator):
             return None
         steps = steps()
         at_max_grid = steps >= max_len
-        # on the CPU a read costs nothing and spares the edits where they change nothing; on
-        # a device the edits run unconditionally (they are no-ops there), without a read
-        on_host = lprobs.device.type == "cpu"
+        # the edits run where the host cannot rule them out, without reading the device (on
+        # rows they do not concern they change nothing)
         at_max = None
-        if at_max_possible and (not on_host or bool(at_max_grid.any())):
+        if at_max_possible:
             at_max = layout.pack(at_max_grid)
             eos_lp = lprobs[:, self.eos].clone()
             lprobs.masked_fill_(at_max.unsqueeze(-1), -math.inf)
@@ -232,8 +227,7 @@ class DraftVerifyGenerator(StatsGenerator):
             bar_eos = steps < self.min_len
             if prefix_step is not None:
                 bar_eos &= ~prefix_step
-            if not on_host or bool(bar_eos.any()):
-                lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(layout.pack(bar_eos), -math.inf)
+            lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(layout.pack(bar_eos), -math.inf)
         return forced
 
     # ------------------------------------------------------------------ the margin guard
@@ -251,32 +245,30 @@ class DraftVerifyGenerator(StatsGenerator):
         return self._guard_margin(self.block_decoder) is not None
 
     @staticmethod
-    def _iteration_margin(batch: Batch) -> Optional[float]:
+    def iteration_margin(batch: Batch) -> Optional[float]:
         """The margin the guard applies in the current iteration (None: none applies)."""
         return None if batch.exact_so_far else batch.guard
 
-    def _read(self, t: Tensor) -> Tensor:
-        """The tensor path's one way to the host: a small tensor read from the device."""
+    def read(self, t: Tensor) -> Tensor:
+        """The engine's one way to the host: a small tensor read from the device."""
         self.device_reads += 1
         return t.cpu()
 
     # ------------------------------------------------------------------ main loop
     def _generate(self, sample, prefix_tokens=None, bos_token=None, **unused):
         batch = self._start(sample, prefix_tokens, bos_token)
-        # on the CPU an iteration's decisions cost less in Python than in small tensor operations
-        on_host = decides_on_host(self, sample["net_input"]["src_tokens"], prefix_tokens)
-        batch.on_host = on_host
-        while batch.rows.numel() > 0:
+        while batch.rows_host:
             block = self._draft(batch)
             features, lprobs, forced = self._verify(batch, block)
-            if on_host:
-                done = accept_and_commit(self, batch, block, features, lprobs, sample, bos_token)
+            # 3. what each row keeps: decided on the host from one read of the device
+            if self.sampler is not None:
+                n_acc, grid = self._speculate(lprobs, forced, block)
+                decided = sampled(self, batch, block, lprobs, n_acc, grid)
             else:
-                n_acc, verifier, before, outcome = self._accept(batch, block, lprobs, forced,
-                                                                sample, bos_token)
-                done = self._commit(batch, block, features, lprobs, n_acc, verifier, before,
-                                    outcome)
-            self._retire(batch, done)
+                reading = read_positions(self, batch, block, lprobs, forced)
+                decided = decide(self, batch, block, reading, lprobs, sample, bos_token)
+            self._commit(batch, block, features, decided)
+            self._retire(batch, decided)
         return batch.finalized
 
     def _start(self, sample, prefix_tokens, bos_token) -> Batch:
@@ -321,25 +313,34 @@ class DraftVerifyGenerator(StatsGenerator):
                 # (heads, gad) is asked and shown each iteration as before
                 drafter.skip(len(batch.rows_host))
                 return Block.last_tokens(batch, self.pad, proposed=False)
-        room = batch.max_len - batch.n_out
-        draft_room = room
+        room = batch.max_len - batch.n_out_host
         if batch.backoff is not None:  # the back-off lives on the host (backoff.py)
-            draft_room = batch.backoff.room(batch.max_len - batch.n_out_host, batch.iteration)
-            # queued like a kernel: a blocking copy from the host would wait for the device
-            draft_room = draft_room.to(room.device, non_blocking=True)
+            room = batch.backoff.room(room, batch.iteration)
         with batch.drafter_timer:
-            draft, drafted = self.drafter.propose(batch.rows, batch.tokens, batch.n_out, draft_room)
-        q = self.drafter.draft_probs if self.sampler is not None else None
-        # the drafts as the drafter's lists, where it keeps them (host decisions read them)
+            drafts = self._propose(batch, room)
+        q = drafter.draft_probs if self.sampler is not None else None
+        drafts, q = self._force_prefix_draft(drafts, batch, q)
+        if not any(drafts) and q is None:  # no row drafted: a plain step
+            return Block.last_tokens(batch, self.pad)
+        return Block.from_lists(batch, drafts, self.pad, q)
+
+    def _propose(self, batch: Batch, room: Tensor) -> List[List[int]]:
+        """The drafter's drafts as lists. A drafter on the host reads the host's tables; one on
+        the device (a drafter model) gets their copies, and its drafts are read."""
+        drafter = self.drafter
+        if drafter.on_device:
+            device = batch.device
+            draft, lengths = drafter.propose(batch.rows, to_device(batch.tokens, device),
+                                             batch.n_out, to_device(room, device))
+            host = self.read(torch.cat([lengths.unsqueeze(1), draft], 1)).tolist()
+            return [row[1: 1 + row[0]] for row in host]
+        draft, lengths = drafter.propose(torch.tensor(batch.rows_host), batch.tokens,
+                                         batch.n_out_host, room)
         lists = drafter.host_drafts
         if lists is not None:
             drafter.host_drafts = None
-        draft, draft_len, q = self._force_prefix_draft(draft, drafted, batch, q)
-        if draft.size(1) == 0 and q is None:  # no row drafted: a plain step
-            return Block.last_tokens(batch, self.pad)
-        if batch.on_host and lists is not None:
-            return Block.from_lists(batch, lists, draft, drafted, self.pad)
-        return Block(batch, draft, draft_len, drafted, q, self.pad)
+            return lists
+        return [row[:n] for row, n in zip(draft.tolist(), lengths.tolist())]
 
     def _verify(self, batch: Batch, block: Block):
         """2. One decoder call over every row's [last accepted token, draft]; the position-wise
@@ -367,144 +368,61 @@ class DraftVerifyGenerator(StatsGenerator):
         batch.iteration += 1
         return features, lprobs, forced
 
-    def _accept(self, batch: Batch, block: Block, lprobs, forced, sample, bos_token):
-        """3. How many draft tokens each row keeps, and the token after them.
-
-        Returns the accepted draft lengths (B,), a (B, L) grid whose position ``n_acc`` holds the
-        row's next token (the verifier's own, or speculative sampling's draw), the cumulative
-        score before each block position were the draft accepted up to it (B, L), and the
-        iteration's :class:`Outcome` (the one read of the device).
-        """
-        b, k, ar = block.rows, block.width, block.ar
-        n_out, cum_scores, layout = batch.n_out, batch.cum_scores, block.layout
-        prev = torch.where(
-            n_out > 0, cum_scores[ar, (n_out - 1).clamp(min=0)], cum_scores.new_zeros(b)
-        )
-        draft_lp = lprobs[block.draft_pos, block.draft].masked_fill(~block.draft_valid, 0.0)
-        before = running_scores(prev, draft_lp).to(n_out.device)
-        close = None
-        if self.sampler is not None:
-            n_acc, verifier = self._speculate(lprobs, forced, block)
-        else:
-            packed_before = layout.pack(before)
-            verifier, top = beam_one_choice(lprobs, packed_before)
-            margin = self._iteration_margin(batch)
-            if margin is not None:
-                close = close_calls(top, packed_before, margin)
-            if forced is not None:
-                verifier = torch.where(forced >= 0, forced, verifier)
-                if close is not None:
-                    close &= forced < 0
-            verifier = verifier[layout.pos.clamp(min=0)]  # (B, L); garbage at padding
-            if close is not None:
-                close = close[layout.pos.clamp(min=0)] & ~block.pad
-            n_acc = self.acceptance.accept(
-                block.draft, block.draft_valid,
-                lprobs if self.acceptance.reads_log_probs else None, verifier[:, :k],
-                positions=block.draft_pos,
-            )
-        outcome = self._outcome(block, n_acc, verifier, close)
-        if outcome.first_close is not None and min(outcome.first_close) <= k:
-            self._decide_close_calls(outcome, n_acc, verifier, block.padded_draft, batch, sample,
-                                     bos_token)
-            outcome = self._outcome(block, n_acc, verifier, None)
-        return n_acc, verifier, before, outcome
-
-    def _outcome(self, block: Block, n_acc: Tensor, verifier: Tensor,
-                 close: Optional[Tensor]) -> Outcome:
-        """What the iteration keeps of each row, computed on the device and read in one
-        transfer (:meth:`_read`): the tokens it gains (the accepted drafts and the next token,
-        up to the first EOS), whether it ended, and where its first close call among them is."""
-        k, cols = block.width, block.cols
-        new_tokens = torch.where(cols.unsqueeze(0) < n_acc.unsqueeze(1), block.padded_draft,
-                                 verifier)
-        gained = n_acc + 1
-        is_eos = new_tokens.eq(self.eos) & (cols.unsqueeze(0) < gained.unsqueeze(1))
-        first_eos = torch.where(is_eos, cols.unsqueeze(0), k + 1).min(dim=1).values
-        gained = torch.minimum(gained, first_eos + 1)
-        parts = [gained, (first_eos < k + 1).long(), block.drafted, n_acc]
-        if close is not None:
-            # a close call matters where the iteration uses the decision: the positions kept
-            used = close & (cols.unsqueeze(0) < gained.unsqueeze(1))
-            parts.append(torch.where(used, cols.unsqueeze(0), k + 1).min(dim=1).values)
-        host = self._read(torch.stack(parts)).tolist()
-        return Outcome(new_tokens, gained, first_eos, *host)
-
-    def _commit(self, batch: Batch, block: Block, features, lprobs, n_acc, verifier,
-                before, outcome: Outcome) -> List[bool]:
-        """4. Append the accepted tokens and the next one (up to the first EOS) with their
-        scores, show them to the drafter, and roll the cache back to the kept positions.
-        Returns, per active row, whether it emitted EOS."""
-        b, k, ar = block.rows, block.width, block.ar
-        new_tokens, gained = outcome.new_tokens, outcome.gained
-        gained_host = outcome.gained_host
-
-        # after the accepted draft tokens, the verifier's own token at position n_acc
-        cum = torch.cat([before[:, 1:], before.new_zeros(b, 1)], dim=1)
-        own = new_tokens[ar, n_acc]
-        cum[ar, n_acc] = before[ar, n_acc] + lprobs[block.layout.at(ar, n_acc), own]
-        # Written without a boolean mask, whose nonzero would wait for the device: over the
-        # output steps some row reaches (known on the host), each row's own steps
-        # [n_out, n_out + gained) take the block's values, the others keep theirs
-        n_out_host = batch.n_out_host.numpy()
-        first, end = int(n_out_host.min()), int((n_out_host + gained_host).max())
-        at = (torch.arange(first, end, device=ar.device).unsqueeze(0)
-              - batch.n_out.unsqueeze(1))  # (B, steps): the block position written there
-        written = (at >= 0) & (at < gained.unsqueeze(1))
-        at = at.clamp(0, k)
-        tokens = batch.tokens.narrow(1, first + 1, end - first)
-        torch.where(written, new_tokens.gather(1, at), tokens, out=tokens)
-        scores = batch.cum_scores.narrow(1, first, end - first)
-        torch.where(written, cum.gather(1, at), scores, out=scores)
-        batch.n_out = batch.n_out + gained
-
-        # the drafter may read the verifier's state after the last kept position
-        # (blockwise decoding's proposal heads: merged invocation)
-        if block.proposed:
-            with batch.drafter_timer:
-                self.drafter.observe(batch.rows, features[block.layout.at(ar, gained - 1)],
-                                     gained - 1, new_tokens[ar, gained - 1])
-        # the host's side, from the iteration's read
-        if batch.backoff is not None and k > 0:
-            batch.backoff.update(outcome.drafted_host, outcome.accepted_host,
+    def _commit(self, batch: Batch, block: Block, features: Tensor, decided):
+        """4. Append each row's new tokens and their scores on the host, show the drafter the
+        outcome, and roll the cache back to the kept positions."""
+        token_view, score_view = batch.tokens.numpy(), batch.cum_scores.numpy()
+        n_out = batch.n_out_host.numpy()
+        gained = []
+        for r, row in enumerate(decided):
+            start, count = int(n_out[r]), len(row.tokens)
+            token_view[r, start + 1: start + 1 + count] = row.tokens
+            score_view[r, start: start + count] = row.scores
+            batch.prev_score[r] = row.scores[-1]
+            gained.append(count)
+        n_out += gained
+        batch.n_out = to_device(batch.n_out_host, batch.device)
+        batch.longest = int(n_out.max())
+        if batch.backoff is not None and block.width > 0:
+            batch.backoff.update(block.lengths, [row.accepted for row in decided],
                                  batch.iteration - 1)
-        n_out_host += gained_host
-        batch.longest = end
-        batch.step.rollback(batch.cache, k + 1, gained,
-                            keep_range=(min(gained_host), max(gained_host)))
-        return [bool(ended) for ended in outcome.done_host]
+        if block.proposed and type(self.drafter).observe is not Drafter.observe:
+            self._observe(batch, features, decided, gained)
+        fewest, most = min(gained), max(gained)
+        if fewest == most:  # every row keeps as many entries: one tensor per count, kept
+            kept = batch.uniform_gains(most)
+        else:
+            kept = to_device(torch.tensor(gained), batch.device)
+        batch.step.rollback(batch.cache, block.width + 1, kept, keep_range=(fewest, most))
 
-    def _retire(self, batch: Batch, done: List[bool]):
-        """5. Finalize the rows that emitted EOS (``done``, per active row) and drop them."""
-        if any(done):
+    def _observe(self, batch: Batch, features: Tensor, decided, gained: List[int]):
+        """Show the drafter each row's block position of its last kept token, and where it
+        reads them, the verifier's features there and that token (blockwise decoding's
+        proposal heads: merged invocation)."""
+        drafter, device = self.drafter, batch.device
+        last = torch.tensor([count - 1 for count in gained])
+        last_features = last_tokens = None
+        if drafter.observes_features:
+            at = to_device(torch.tensor([row.last_pos for row in decided]), device)
+            last_features = features.index_select(0, at)
+            last_tokens = to_device(torch.tensor([row.tokens[-1] for row in decided]), device)
+        rows = torch.tensor(batch.rows_host)
+        if drafter.on_device:
+            rows, last = batch.rows, to_device(last, device)
+        with batch.drafter_timer:
+            drafter.observe(rows, last_features, last, last_tokens)
+
+    def _retire(self, batch: Batch, decided):
+        """5. Finalize the rows that emitted EOS and drop them."""
+        if any(row.ended for row in decided):
             alive = []
-            for r, ended in enumerate(done):
-                if not ended:
+            for r, row in enumerate(decided):
+                if row.ended:
+                    batch.finalized[batch.rows_host[r]] = [self._hypothesis(batch, r)]
+                else:
                     alive.append(r)
-                    continue
-                batch.finalized[batch.rows_host[r]] = [self._hypothesis(
-                    batch.tokens[r], batch.cum_scores[r], int(batch.n_out_host[r]))]
-            batch.keep(torch.tensor(alive, dtype=torch.long))
+            batch.keep(alive)
         batch.step.compact(batch.cache, self.compact_holes)
-
-    def _decide_close_calls(self, outcome: Outcome, n_acc, verifier, padded_draft, batch,
-                            sample, bos_token):
-        """Rows whose decisions up to their first close call are kept: that position's token is
-        fairseq's own decision, and the row's acceptance ends there (in place on the device:
-        ``n_acc``, ``verifier``). ``outcome.first_close``: per row, the first block position
-        whose choice the step cannot certify among those the iteration keeps (beyond the block:
-        none)."""
-        src_tokens = sample["net_input"]["src_tokens"]
-        width = verifier.size(1)
-        for r, at in enumerate(outcome.first_close):
-            if at >= width:
-                continue
-            n_out = int(batch.n_out_host[r])
-            decided = torch.cat([batch.tokens[r, 1: n_out + 1], padded_draft[r, :at]])
-            verifier[r, at] = fairseq_decision(self, src_tokens[batch.rows_host[r]], decided,
-                                               bos_token)
-            n_acc[r] = at
-            self.stats.close_calls += 1
 
     def _speculate(self, lprobs, forced, block: Block):
         """Speculative sampling's accept / residual / bonus for every row of the block.
@@ -531,53 +449,50 @@ class DraftVerifyGenerator(StatsGenerator):
         grid[ar, n_acc] = own
         return n_acc, grid
 
-    def _force_prefix_draft(self, draft, draft_len, batch: Batch, q=None):
+    def _force_prefix_draft(self, drafts: List[List[int]], batch: Batch, q=None):
         """Rows still inside their --prefix-size prefix draft the prefix itself (a
-        deterministic draft: with --sampling their q becomes one-hot). Which rows are inside is
-        known on the host; only an iteration with such a row reads the drafts."""
+        deterministic draft: with --sampling their q becomes one-hot)."""
         prefix = batch.prefix_host
         if prefix is None or prefix.size(1) == 0:
-            return draft, draft_len, q
-        n_out = batch.n_out_host
-        remaining = (prefix.size(1) - n_out).clamp(min=0)
-        if not bool((remaining > 0).any()):
-            return draft, draft_len, q
-        rows_in = (remaining > 0).nonzero().view(-1).tolist()
-        room = (batch.max_len - n_out).tolist()
-        drafts = []
-        for r in range(draft.size(0)):
-            if r in rows_in:
-                start = int(n_out[r])
-                forced = [t for t in prefix[r, start:].tolist() if t != self.pad]
-                drafts.append(forced[: room[r]])
-            else:
-                drafts.append(draft[r, : int(draft_len[r])].tolist())
-        new_draft, new_len = pad_drafts(drafts, self.pad, draft.device)
+            return drafts, q
+        n_out = batch.n_out_host.tolist()
+        inside = [r for r, n in enumerate(n_out) if n < prefix.size(1)]
+        if not inside:
+            return drafts, q
+        drafts = list(drafts)
+        for r in inside:
+            forced = [t for t in prefix[r, n_out[r]:].tolist() if t != self.pad]
+            drafts[r] = forced[: batch.max_len - n_out[r]]
         if q is not None:
-            width = new_draft.size(1)
-            one_hot = torch.zeros(new_draft.size(0), width, q.size(-1), device=q.device, dtype=q.dtype)
-            one_hot.scatter_(2, new_draft.unsqueeze(-1), 1.0)
+            width = max(len(d) for d in drafts)
+            padded = to_device(torch.tensor([d + [self.pad] * (width - len(d)) for d in drafts],
+                                            dtype=torch.long).view(len(drafts), width), q.device)
+            one_hot = torch.zeros(len(drafts), width, q.size(-1), device=q.device, dtype=q.dtype)
+            one_hot.scatter_(2, padded.unsqueeze(-1), 1.0)
             keep = min(width, q.size(1))
-            for r in range(new_draft.size(0)):
-                if r not in rows_in:
+            for r in range(len(drafts)):
+                if r not in inside:
                     one_hot[r, :keep] = q[r, :keep]
             q = one_hot
-        return new_draft, new_len, q
+        return drafts, q
 
-    def _hypothesis(self, tokens: Tensor, cum_scores: Tensor, length: int):
-        """fairseq's finalized hypothesis dict (scores as SequenceGenerator computes them)."""
-        cum = cum_scores[:length].clone()
+    def _hypothesis(self, batch: Batch, r: int):
+        """fairseq's finalized hypothesis dict of active row ``r`` (scores as
+        SequenceGenerator computes them), on the batch's device."""
+        length = int(batch.n_out_host[r])
+        cum = batch.cum_scores[r, :length].clone()
         positional = cum.clone()
         positional[1:] = cum[1:] - cum[:-1]
         score = cum[-1].clone()
         if self.normalize_scores:
             score /= length ** self.len_penalty
+        device = batch.device
         return {
-            "tokens": tokens[1 : length + 1].clone(),
-            "score": score,
+            "tokens": to_device(batch.tokens[r, 1: length + 1], device),
+            "score": to_device(score, device),
             "attention": torch.empty(0),
             "alignment": torch.empty(0),
-            "positional_scores": positional,
+            "positional_scores": to_device(positional, device),
         }
 
 

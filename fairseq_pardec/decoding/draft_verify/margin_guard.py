@@ -25,19 +25,11 @@ from fairseq.sequence_generator import SequenceGenerator
 _ADD_ROUNDING = 2.0 ** -23
 
 
-def close_calls(top: Tensor, scores_before: Tensor, margin: float) -> Tensor:
-    """(N,) True where rounding within ``margin`` could change fairseq's choice of token.
-
-    Args:
-        top: (N, 2) the two best adjusted log-probabilities from the fast step, best first
-            (``beam_one_choice``'s); (N, 1) when the vocabulary has one word.
-        scores_before: (N,) cumulative score of each position's hypothesis.
-    """
-    if top.size(-1) < 2:
-        return torch.zeros(top.shape[:-1], dtype=torch.bool, device=top.device)
-    lead = top[:, 0] - top[:, 1]  # +inf where only one candidate is left (EOS forced)
-    slack = 2 * margin + _ADD_ROUNDING * (scores_before.abs() + top[:, 0].abs())
-    return ~(lead > slack)
+def lead_is_certain(first: float, second: float, score: float, margin: float) -> bool:
+    """Whether fairseq's search surely takes the step's best candidate: its log-probability
+    ``first`` leads the runner-up's ``second`` by more than rounding within ``margin`` and the
+    addition of the hypothesis score ``score`` can close."""
+    return first - second > 2 * margin + _ADD_ROUNDING * (abs(float(score)) + abs(first))
 
 
 def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,

@@ -42,16 +42,18 @@ class BlockLayout:
 
     @classmethod
     def from_host(cls, block_pad: Tensor, index: List[int], pos: List[List[int]]) -> "BlockLayout":
-        """The layout of a ragged CPU block whose packing the caller computed in Python
+        """The layout of a ragged block whose packing the caller computed in Python
         (``index``: the grid position of each packed row; ``pos``: per row and block position
         its packed row, -1 at padding)."""
         layout = cls.__new__(cls)
         layout.batch, layout.length = block_pad.shape
         layout.dense = False
         layout.block_pad = block_pad
-        layout.index = torch.tensor(index, dtype=torch.long)
+        # fresh tensors, so the copies to the device are queued without waiting for it
+        device = block_pad.device
+        layout.index = torch.tensor(index, dtype=torch.long).to(device, non_blocking=True)
         layout.size = len(index)
-        layout.pos = torch.tensor(pos, dtype=torch.long)
+        layout.pos = torch.tensor(pos, dtype=torch.long).to(device, non_blocking=True)
         return layout
 
     def pack_time_major(self, t: Tensor) -> Tensor:

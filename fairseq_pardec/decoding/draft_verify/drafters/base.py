@@ -17,12 +17,17 @@ from torch import Tensor
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import paying_length
 
 def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
-    """Ragged python drafts -> (B, K) padded tensor and (B,) lengths."""
+    """Ragged python drafts -> (B, K) padded tensor and (B,) lengths, on ``device`` (the
+    engine gives drafters on the host its host tables: there they stay, as made)."""
     lengths = [len(d) for d in drafts]
     width = max(lengths, default=0)
     padded = [d + [pad] * (width - n) for d, n in zip(drafts, lengths)]
     out = torch.tensor(padded, dtype=torch.long).view(len(drafts), width)
-    return out.to(device), torch.tensor(lengths, dtype=torch.long).to(device)
+    lengths = torch.tensor(lengths, dtype=torch.long)
+    if torch.device(device).type == "cpu":
+        return out, lengths
+    # fresh tensors: copies queued without waiting for the device
+    return out.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
 
 
 class ProbeSchedule:
@@ -313,6 +318,10 @@ class Drafter:
     # whether ``observe`` reads its ``features`` and ``tokens`` (the engine gathers them for
     # drafters that do: blockwise decoding's proposal heads)
     observes_features = True
+    # True for a drafter that drafts on the model's device (a drafter model: gad's, blockwise
+    # decoding's heads): the engine gives it device copies of the rows, tokens and lengths and
+    # reads its drafts; the others draft on the host from the host's tables
+    on_device = False
     # True for a drafter that never drafts (NoDrafter): the engine then builds one-position
     # blocks directly and keeps no back-off
     drafts_nothing = False

@@ -20,6 +20,8 @@ class NARDrafter(Drafter):
     :class:`CachedNARDrafter` for the block-causal one. A draft stops after its first EOS.
     """
 
+    on_device = True  # a drafter model: it drafts where the verifier runs
+
     BATCH_STATE = dict(Drafter.BATCH_STATE, encoder_out=None, rows=None, active_encoder_out=None)
 
     def __init__(self, model, block_size: int, eos: int, pad: int, dictionary=None,

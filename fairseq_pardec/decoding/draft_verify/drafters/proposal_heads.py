@@ -23,6 +23,8 @@ class HeadsDrafter(Drafter):
     short blocks; heads no row will use are not computed.
     """
 
+    on_device = True  # a drafter model: it drafts where the verifier runs
+
     BATCH_STATE = dict(Drafter.BATCH_STATE, next_draft=None, next_len=None, next_probs=None,
                        caps=None, drafted=None)
 

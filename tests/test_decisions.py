@@ -1,0 +1,72 @@
+"""Every token the engine keeps is decided on the host from one read per iteration
+(decisions.py): every generator gives fairseq's greedy output through that one path, at batch
+1, 8 and 64, near-ties and close calls included, and reads the device once per iteration."""
+
+import pytest
+
+from fairseq_pardec.decoding.draft_verify.drafters import NoDrafter
+from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter
+from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.decoding.draft_verify.acceptance import TopBetaTauAcceptance
+
+from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
+from test_beam_one import twin_vocabulary_model
+
+
+def _drafter(name, src, tgt):
+    if name == "none":
+        return NoDrafter(), ExactAcceptance()
+    if name == "copy":
+        return CopyDrafter(src, tgt, adaptive=True), ExactAcceptance()
+    # registry.py's lookup: --gad-beta 1 --gad-tau 0, exact
+    return LookupDrafter(src, tgt, None, adaptive=True), TopBetaTauAcceptance(1, 0.0)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("drafter", ["none", "copy", "lookup"])
+def test_every_generator_gives_fairseq_greedy(batch_size, fast, drafter):
+    src = make_dictionary(50)
+    tgt = make_dictionary(50)
+    tgt.add_symbol("only_in_target")
+    model = tiny_transformer(make_task(src, tgt), seed=60 + batch_size)
+    sample = random_batch(src, [1 + (i * 13) % 45 for i in range(batch_size)], seed=batch_size)
+    limits = dict(max_len_a=1.2, max_len_b=10)
+    draft, acceptance = _drafter(drafter, src, tgt)
+    generator = DraftVerifyGenerator([model], tgt, draft, acceptance, fast=fast, **limits)
+    got = generator.generate([model], sample)
+    assert by_id(sample, got) == by_id(sample, fairseq_greedy(model, tgt, sample, **limits))
+    # one read of the device per iteration (the close calls' replays read on their own)
+    assert generator.device_reads == generator.stats.decoder_calls
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_near_ties(fast):
+    """The twin-token model ties fairseq's choice after adding the score at many steps: the
+    host redoes those rows' ``topk`` as fairseq does, and hands the positions the step cannot
+    certify to the margin guard."""
+    model, d = twin_vocabulary_model(seed=4)
+    # with the fast step, or any step once a block was verified, every twin tie goes to
+    # fairseq's own search: a small batch. Plain steps through the model's own output layer
+    # round as fairseq does (no guard): there the tie rule alone decides, on a larger batch.
+    sample = random_batch(d, [4, 11, 7] if fast else [3 + (7 * i) % 30 for i in range(8)], seed=5)
+    limits = dict(max_len_a=1.0 if fast else 1.5, max_len_b=6 if fast else 20)
+    drafter = CopyDrafter(d, d) if fast else NoDrafter()
+    generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), fast=fast, **limits)
+    got = generator.generate([model], sample)
+    assert by_id(sample, got) == by_id(sample, fairseq_greedy(model, d, sample, **limits))
+    assert (generator.stats.close_calls > 0) == fast
+
+
+def test_every_position_close():
+    """A margin that leaves every decision to fairseq: fairseq's outputs."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=9)
+    sample = random_batch(d, [5, 12, 9], seed=2)
+    limits = dict(max_len_a=1.0, max_len_b=4)
+    generator = DraftVerifyGenerator([model], d, CopyDrafter(d, d), ExactAcceptance(),
+                                     margin=1e3, **limits)
+    got = generator.generate([model], sample)
+    assert by_id(sample, got) == by_id(sample, fairseq_greedy(model, d, sample, **limits))
+    # every token but an EOS forced at the length limit (the only candidate left)
+    assert generator.stats.close_calls >= generator.stats.target_tokens - 3
