@@ -1,27 +1,22 @@
 """The verifier chooses its token as fairseq's beam-1 search does, down to float rounding."""
 
+import numpy as np
 import pytest
 import torch
 from fairseq.search import BeamSearch
 
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.decoding.fairseq_rules import beam_one_tokens, running_scores
+from fairseq_pardec.decoding.fairseq_rules import beam_one
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 
 
-def test_running_scores_round_after_every_step():
-    g = torch.Generator().manual_seed(0)
-    start = -30 * torch.rand(5, generator=g)
-    steps = -torch.rand(5, 40, generator=g) * 1e-3 - torch.rand(5, 40, generator=g) * 5
-    got = running_scores(start, steps)
-    # bitwise: the same float32 additions in the same order (a left-to-right accumulation)
-    for row in range(5):
-        acc = start[row].clone()
-        assert got[row, 0] == acc
-        for j in range(40):
-            acc = acc + steps[row, j]  # one float32 addition per step, as fairseq's search
-            assert got[row, j + 1] == acc, (row, j)
+def _choose(lprobs, score):
+    """The engine's choice over one (1, V) row after a float32 score, from what the host reads
+    of it (its best token and best two values), as decisions.py makes it."""
+    values, indices = lprobs.topk(2, dim=-1)
+    first, second = values[0].tolist()
+    return beam_one(lprobs, 0, int(indices[0, 0]), first, second, np.float32(score))[0]
 
 
 def test_choice_is_beam_search_step_on_near_ties():
@@ -38,8 +33,8 @@ def test_choice_is_beam_search_step_on_near_ties():
         lprobs[0, 0, other] = lprobs[0, 0, top] - float(torch.rand(1, generator=g)) * 4e-6
         score = -30 - 5 * torch.rand(1, 1, 1, generator=g)
         _, fairseq_tokens, _ = search.step(1, lprobs.clone(), score)
-        ours = beam_one_tokens(lprobs.view(1, 1, vocab), score.view(1, 1))
-        assert int(ours) == int(fairseq_tokens[0, 0]), trial
+        ours = _choose(lprobs.view(1, vocab), float(score))
+        assert ours == int(fairseq_tokens[0, 0]), trial
         differs += int(fairseq_tokens[0, 0]) != top
     assert differs > 0  # the crafted ties did separate the two rules
 
@@ -146,8 +141,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("vocab", [40, 30000])
 def test_exact_ties_choose_as_fairseq_whatever_the_rows(device, vocab):
     """Exact ties: fairseq's beam-1 step over its (bsz, V) batch picks what the engine picks for
-    the same row in any block, alone or among other tied rows (batch sizes cross the CUDA
-    kernels' row-count thresholds: 1, 10, 20, 21, 200)."""
+    the same row, redone alone (batch sizes cross the CUDA kernels' row-count thresholds: 1,
+    10, 20, 21, 200)."""
     d = make_dictionary(vocab - 4)
     search = BeamSearch(d)
     for bsz in (1, 10, 20, 21, 200):
@@ -155,58 +150,5 @@ def test_exact_ties_choose_as_fairseq_whatever_the_rows(device, vocab):
         _, fairseq_tokens, _ = search.step(1, lprobs.view(bsz, 1, vocab).clone(),
                                            score.view(bsz, 1, 1))
         want = fairseq_tokens[:, 0]
-        assert torch.equal(beam_one_tokens(lprobs, score), want)  # every row tied at once
-        alone = torch.cat([beam_one_tokens(lprobs[r: r + 1], score[r: r + 1])
-                           for r in range(bsz)])
-        assert torch.equal(alone, want)
-        # as blocks: (B, L, V) with the tied rows at other places, among untied positions
-        untied = torch.full_like(lprobs, -9.0)
-        untied[:, 0] = -0.5
-        grid = torch.stack([untied, lprobs], 1)  # (bsz, 2, V)
-        scores = torch.stack([score, score], 1)
-        assert torch.equal(beam_one_tokens(grid, scores)[:, 1], want)
-
-
-def test_running_scores_in_order_on_any_device():
-    """The per-position additions (where no single kernel is known to add in order) equal
-    numpy's left-to-right accumulation to the bit."""
-    from fairseq_pardec.decoding.fairseq_rules import _add_in_order
-
-    g = torch.Generator().manual_seed(2)
-    values = torch.cat([-30 * torch.rand(4, 1, generator=g),
-                        -5 * torch.rand(4, 33, generator=g)], 1)
-    assert torch.equal(_add_in_order(values), running_scores(values[:, 0], values[:, 1:]))
-
-
-def test_order_probe_tells_other_orders_apart():
-    """The probe that checks CUDA's column scan once per device fails any other order: a wider
-    accumulator (the CPU's cumsum), pairs added first (a parallel scan), a masked sum."""
-    import numpy as np
-
-    from fairseq_pardec.decoding.fairseq_rules import _order_probe
-
-    probe = _order_probe()
-    in_order = torch.from_numpy(np.add.accumulate(probe.numpy(), axis=1))
-    wider = probe.double().cumsum(1).float()
-    pairs = probe.clone()
-    step = 1
-    while step < probe.size(1):  # Hillis-Steele: each position adds the one `step` before it
-        shifted = torch.zeros_like(pairs)
-        shifted[:, step:] = pairs[:, :-step]
-        pairs = pairs + shifted
-        step *= 2
-    masked = torch.stack([probe[:, : j + 1].sum(1) for j in range(probe.size(1))], 1)
-    for other in (wider, pairs, masked):
-        assert not torch.equal(other, in_order)
-        assert not torch.equal(other[:1], in_order[:1])  # the 2**24 row alone catches each
-
-
-def test_tied_rows_grouped_where_topk_sorts_whole_rows():
-    from fairseq_pardec.decoding.fairseq_rules import tied_rows_per_topk
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert tied_rows_per_topk(cpu, 200000) is None
-    assert tied_rows_per_topk(cuda, 99999) is None
-    assert tied_rows_per_topk(cuda, 100000) == 10  # ten rows of that width sort, as one does
-    assert tied_rows_per_topk(cuda, 9999, rocm=True) is None
-    assert tied_rows_per_topk(cuda, 10000, rocm=True) == 1
+        alone = [_choose(lprobs[r: r + 1], float(score[r])) for r in range(bsz)]
+        assert alone == want.tolist()

@@ -17,7 +17,6 @@ import torch
 
 from fairseq_pardec.benchmark.runner import divergence
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.decoding.fairseq_rules import running_scores, sequential_cumsum
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.static import StaticBlockDecoder
@@ -35,29 +34,6 @@ def to_cuda(sample):
     from fairseq import utils
 
     return utils.move_to_cuda(sample)
-
-
-@pytest.mark.parametrize("rows", [1, 7, 600])
-def test_running_scores_on_cuda_equal_cpu(rows):
-    """One column scan on CUDA adds in fairseq's order (checked once per device, then used):
-    bit for bit the CPU's left-to-right float32 additions, one row alone included."""
-    g = torch.Generator().manual_seed(rows)
-    start, steps = -30 * torch.rand(rows, generator=g), -5 * torch.rand(rows, 33, generator=g)
-    assert sequential_cumsum(torch.device("cuda", torch.cuda.current_device()))
-    got = running_scores(start.cuda(), steps.cuda()).cpu()
-    assert torch.equal(got, running_scores(start, steps))
-
-
-def test_running_scores_in_deterministic_mode():
-    """Deterministic mode swaps CUDA's cumsum for a masked sum: the additions go one by one."""
-    g = torch.Generator().manual_seed(3)
-    start, steps = -30 * torch.rand(5, generator=g), -5 * torch.rand(5, 20, generator=g)
-    torch.use_deterministic_algorithms(True)
-    try:
-        got = running_scores(start.cuda(), steps.cuda()).cpu()
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert torch.equal(got, running_scores(start, steps))
 
 
 def test_capture_beside_a_thread_reading_the_device():

@@ -92,12 +92,63 @@ class Batch:
         if alive:
             self.step.reorder(self.cache, alive_dev)
 
+    @property
+    def margin(self) -> Optional[float]:
+        """The margin the guard applies in the current iteration (None: none applies)."""
+        return None if self.exact_so_far else self.guard
+
     def forcing_prefix(self) -> Optional[Tensor]:
         """The forced prefixes while some row's next step lies inside them (known on the
         host), else None: past every prefix fairseq forces nothing and bars no EOS for it."""
         if self.prefix_host is None or int(self.n_out_host.min()) >= self.prefix_host.size(1):
             return None
         return self.prefix
+
+    def prefix_drafts(self, drafts: List[List[int]], q: Optional[Tensor] = None):
+        """The drafts with the rows still inside their --prefix-size prefix drafting the prefix
+        itself (a deterministic draft: with --sampling their q becomes one-hot)."""
+        prefix, pad = self.prefix_host, self.generator.pad
+        if prefix is None or prefix.size(1) == 0:
+            return drafts, q
+        n_out = self.n_out_host.tolist()
+        inside = [r for r, n in enumerate(n_out) if n < prefix.size(1)]
+        if not inside:
+            return drafts, q
+        drafts = list(drafts)
+        for r in inside:
+            forced = [t for t in prefix[r, n_out[r]:].tolist() if t != pad]
+            drafts[r] = forced[: self.max_len - n_out[r]]
+        if q is not None:
+            width = max(len(d) for d in drafts)
+            padded = to_device(torch.tensor([d + [pad] * (width - len(d)) for d in drafts],
+                                            dtype=torch.long).view(len(drafts), width), q.device)
+            one_hot = torch.zeros(len(drafts), width, q.size(-1), device=q.device, dtype=q.dtype)
+            one_hot.scatter_(2, padded.unsqueeze(-1), 1.0)
+            keep = min(width, q.size(1))
+            for r in range(len(drafts)):
+                if r not in inside:
+                    one_hot[r, :keep] = q[r, :keep]
+            q = one_hot
+        return drafts, q
+
+    def hypothesis(self, r: int):
+        """fairseq's finalized hypothesis dict of active row ``r`` (scores as
+        SequenceGenerator computes them), on the batch's device."""
+        generator = self.generator
+        length = int(self.n_out_host[r])
+        cum = self.cum_scores[r, :length].clone()
+        positional = cum.clone()
+        positional[1:] = cum[1:] - cum[:-1]
+        score = cum[-1].clone()
+        if generator.normalize_scores:
+            score /= length ** generator.len_penalty
+        return {
+            "tokens": to_device(self.tokens[r, 1: length + 1], self.device),
+            "score": to_device(score, self.device),
+            "attention": torch.empty(0),
+            "alignment": torch.empty(0),
+            "positional_scores": to_device(positional, self.device),
+        }
 
     def uniform_gains(self, count: int) -> Tensor:
         """(B,) ``count`` for every active row on the device, kept per row count and count

@@ -7,9 +7,9 @@ rule's verdict. :func:`read_positions` brings them to the host in one transfer (
 native pass over the log-probabilities, or a ``topk``, read where they lie). :func:`decide`
 then walks each row's block once, for every generator and device:
 
-* fairseq's beam-1 choice (fairseq_rules.beam_one_choice): the best token, unless adding the
+* fairseq's beam-1 choice (fairseq_rules.beam_one): the best token, unless adding the
   hypothesis score ties the best two, where the row's own ``topk`` is redone as fairseq does;
-* the cumulative scores, rounded to float32 after every addition (fairseq_rules.running_scores);
+* the cumulative scores, rounded to float32 after every addition, in order, as fairseq's are;
 * the margin guard (margin_guard.py), wherever the step may round otherwise than fairseq: where
   its choice is not certain, fairseq's own decision, and the row's acceptance ends there;
 * acceptance: a draft token equal to the verifier's is kept; a relaxed rule may keep another
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from fairseq_pardec.decoding.draft_verify.margin_guard import fairseq_decision, lead_is_certain
+from fairseq_pardec.decoding.fairseq_rules import beam_one
 
 _f32 = np.float32
 
@@ -92,16 +93,6 @@ def read_positions(generator, batch, block, lprobs: Tensor, forced: Optional[Ten
     return Reading(top, best, forced_lp, draft_lp, verdict)
 
 
-def _beam_one(lprobs: Tensor, at: int, best: int, first: float, second: float, score):
-    """fairseq's choice at packed position ``at`` after a hypothesis of score ``score`` (float32),
-    and its log-probability: the best token unless the addition ties the best two (then the
-    row alone, as beam_one_choice redoes a tied row: a read of the device, rare)."""
-    if _f32(first) + score > _f32(second) + score:
-        return best, first
-    token = int((lprobs[at: at + 1] + float(score)).topk(2, dim=-1).indices[0, 0])
-    return token, float(lprobs[at, token])
-
-
 def _forced_tokens(batch, r: int, n_out: int, length: int):
     """The row's forced prefix tokens at its block positions (None where nothing is forced)."""
     prefix = batch.prefix_host
@@ -122,7 +113,7 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
     top, best = reading.top, reading.best
     drafts, lengths, pos = block.drafts, block.lengths, block.pos
     n_out = batch.n_out_host.tolist()
-    margin = generator.iteration_margin(batch)
+    margin = batch.margin
     rule, eos = generator.acceptance, generator.eos
     decided = []
     for r in range(block.rows):
@@ -139,7 +130,7 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
                 token, lp = forced[j], reading.forced_lp[at]
             else:
                 first, second = top[at]
-                token, lp = _beam_one(lprobs, at, best[at], first, second, score)
+                token, lp = beam_one(lprobs, at, best[at], first, second, score)
                 close = margin is not None and not lead_is_certain(first, second, score, margin)
                 if close:
                     # fairseq's own arithmetic decides; the row's acceptance ends here. Its score

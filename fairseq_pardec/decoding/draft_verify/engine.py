@@ -7,14 +7,13 @@ One iteration:
 1. *draft*: the drafter proposes up to ``max_len - n_out`` tokens per row (ragged);
 2. *verify*: one decoder call over [last accepted token, draft] on top of the cache gives the
    next-token distribution after every block position;
-3. *accept*: the acceptance rule keeps the longest acceptable draft prefix, then the verifier's
-   own token at the first rejected position is appended (so each iteration gains >= 1 token);
-4. *roll back*: the cache keeps the entries of the kept block positions only; rows that emitted
-   EOS leave the batch.
+3. *decide*, on the host: the longest acceptable draft prefix, then the verifier's own token
+   at the first rejected position (each iteration gains >= 1 token), up to the first EOS;
+4. *commit and roll back*: the cache keeps the kept block positions only; rows that emitted EOS
+   leave the batch.
 
-The per-step adjustments are fairseq ``SequenceGenerator``'s (pad never chosen, ``--unkpen``,
-EOS forced at ``max_len``, EOS barred before ``--min-len``, ``--prefix-size`` forcing, max length
-from ``--max-len-a/b`` and the padded source length of the batch).
+The per-step edits are fairseq ``SequenceGenerator``'s (fairseq_rules.block_edits), and so is the
+length limit (``--max-len-a/b`` and the padded source length of the batch).
 
 The contract, with a lossless acceptance rule (:class:`ExactAcceptance` and its equivalents) and
 no ``--sampling``, in float32, on the CPU or on CUDA:
@@ -43,8 +42,6 @@ The accepted tokens and their scores live on the host; the device gets the block
 counts as copies queued like kernels.
 """
 
-import logging
-import math
 from typing import List, Optional
 
 import torch
@@ -52,8 +49,7 @@ from torch import Tensor
 
 from fairseq_pardec.errors import UsageError
 
-from fairseq_pardec.decoding.fairseq_rules import token_rules
-from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.fairseq_rules import SearchRules, block_edits
 from fairseq_pardec.decoding.step.margins import refuse_reduced_precision_matmuls
 from fairseq_pardec.decoding.draft_verify.decisions import decide, read_positions, sampled
 from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
@@ -64,8 +60,6 @@ from fairseq_pardec.decoding.step.factory import StepChoice
 from fairseq_pardec.decoding.step.interface import DecoderStep
 from fairseq_pardec.decoding.decode_stats import DecodeStats, StatsGenerator
 from fairseq_pardec.decoding.draft_verify.batch_state import Batch, Block, to_device
-
-logger = logging.getLogger(__name__)
 
 
 class DraftVerifyGenerator(StatsGenerator):
@@ -138,6 +132,7 @@ class DraftVerifyGenerator(StatsGenerator):
         self.len_penalty = len_penalty
         self.unk_penalty = unk_penalty
         self.temperature = temperature
+        self.rules = SearchRules(self.pad, self.unk, self.eos, unk_penalty, min_len)
         self.compact_holes = compact_holes
         self.stats = DecodeStats()
         self.symbols_to_strip_from_output = {self.eos}
@@ -186,50 +181,6 @@ class DraftVerifyGenerator(StatsGenerator):
     def encode(self, encode):
         self._given_encode = encode
 
-    # ------------------------------------------------------------------ per-step adjustments
-    def _adjust(self, lprobs: Tensor, steps: Tensor, layout: BlockLayout, max_len: int,
-                prefix: Optional[Tensor], bar_eos_possible: bool, at_max_possible: bool = True):
-        """fairseq SequenceGenerator's per-step edits of log-probabilities, for a block.
-
-        Args:
-            lprobs: (N, V) at the block's real positions (packed by ``layout``), modified in place.
-            steps: () -> (B, L) decoder step of each block position (called only where an
-                edit needs it: most iterations need none).
-            prefix: (B, P) forced prefix tokens (pad = not forced) or None.
-            bar_eos_possible: False when every row is past --min-len (skips that edit).
-            at_max_possible: False when no block position reaches ``max_len`` (known on the
-                host: skips that edit and its read of the device).
-        Returns the (N,) forced tokens (-1 where nothing is forced), or None if none are.
-        """
-        token_rules(lprobs, self.pad, self.unk, self.unk_penalty)
-        if not (at_max_possible or bar_eos_possible or (prefix is not None and prefix.size(1))):
-            return None
-        steps = steps()
-        at_max_grid = steps >= max_len
-        # the edits run where the host cannot rule them out, without reading the device (on
-        # rows they do not concern they change nothing)
-        at_max = None
-        if at_max_possible:
-            at_max = layout.pack(at_max_grid)
-            eos_lp = lprobs[:, self.eos].clone()
-            lprobs.masked_fill_(at_max.unsqueeze(-1), -math.inf)
-            lprobs[:, self.eos] = torch.where(at_max, eos_lp, lprobs[:, self.eos])
-        forced = None
-        prefix_step = None
-        if prefix is not None and prefix.size(1) > 0:
-            # fairseq treats a step below the prefix width as a prefix step for every row, a
-            # row whose shorter prefix is padding there included (nothing forced, no EOS bar)
-            prefix_step = (steps < prefix.size(1)) & ~at_max_grid
-            prefix_tok = prefix.gather(1, steps.clamp(max=prefix.size(1) - 1))
-            in_prefix = prefix_step & prefix_tok.ne(self.pad)
-            forced = layout.pack(torch.where(in_prefix, prefix_tok, torch.full_like(steps, -1)))
-        if bar_eos_possible:
-            bar_eos = steps < self.min_len
-            if prefix_step is not None:
-                bar_eos &= ~prefix_step
-            lprobs[:, self.eos] = lprobs[:, self.eos].masked_fill(layout.pack(bar_eos), -math.inf)
-        return forced
-
     # ------------------------------------------------------------------ the margin guard
     def _guard_margin(self, step: DecoderStep) -> Optional[float]:
         """The margin of this generator's guard on ``step``; None where no guard runs: relaxed
@@ -244,11 +195,6 @@ class DraftVerifyGenerator(StatsGenerator):
         close calls)."""
         return self._guard_margin(self.block_decoder) is not None
 
-    @staticmethod
-    def iteration_margin(batch: Batch) -> Optional[float]:
-        """The margin the guard applies in the current iteration (None: none applies)."""
-        return None if batch.exact_so_far else batch.guard
-
     def read(self, t: Tensor) -> Tensor:
         """The engine's one way to the host: a small tensor read from the device."""
         self.device_reads += 1
@@ -262,7 +208,7 @@ class DraftVerifyGenerator(StatsGenerator):
             features, lprobs, forced = self._verify(batch, block)
             # 3. what each row keeps: decided on the host from one read of the device
             if self.sampler is not None:
-                n_acc, grid = self._speculate(lprobs, forced, block)
+                n_acc, grid = self.sampler.decide(lprobs, forced, block)
                 decided = sampled(self, batch, block, lprobs, n_acc, grid)
             else:
                 reading = read_positions(self, batch, block, lprobs, forced)
@@ -319,7 +265,7 @@ class DraftVerifyGenerator(StatsGenerator):
         with batch.drafter_timer:
             drafts = self._propose(batch, room)
         q = drafter.draft_probs if self.sampler is not None else None
-        drafts, q = self._force_prefix_draft(drafts, batch, q)
+        drafts, q = batch.prefix_drafts(drafts, q)
         if not any(drafts) and q is None:  # no row drafted: a plain step
             return Block.last_tokens(batch, self.pad)
         return Block.from_lists(batch, drafts, self.pad, q)
@@ -361,10 +307,10 @@ class DraftVerifyGenerator(StatsGenerator):
         self.stats.positions_verified += lprobs.size(0)
         # the longest row's last block position is the furthest step: no read of the device
         furthest = batch.longest + block.width
-        forced = self._adjust(lprobs, lambda: batch.n_out.unsqueeze(1) + block.cols,
-                              block.layout, batch.max_len, batch.forcing_prefix(),
-                              bar_eos_possible=batch.iteration < self.min_len,
-                              at_max_possible=furthest >= batch.max_len)
+        forced = block_edits(lprobs, lambda: batch.n_out.unsqueeze(1) + block.cols,
+                             block.layout, self.rules, batch.max_len, batch.forcing_prefix(),
+                             bar_eos_possible=batch.iteration < self.min_len,
+                             at_max_possible=furthest >= batch.max_len)
         batch.iteration += 1
         return features, lprobs, forced
 
@@ -418,82 +364,11 @@ class DraftVerifyGenerator(StatsGenerator):
             alive = []
             for r, row in enumerate(decided):
                 if row.ended:
-                    batch.finalized[batch.rows_host[r]] = [self._hypothesis(batch, r)]
+                    batch.finalized[batch.rows_host[r]] = [batch.hypothesis(r)]
                 else:
                     alive.append(r)
             batch.keep(alive)
         batch.step.compact(batch.cache, self.compact_holes)
-
-    def _speculate(self, lprobs, forced, block: Block):
-        """Speculative sampling's accept / residual / bonus for every row of the block.
-
-        Returns the accepted draft lengths (B,) and a (B, L) token grid holding, at each row's
-        first non-accepted position, the token drawn there (the rest is never read).
-        """
-        probs = self.sampler.filter.probs(lprobs)  # (N, V): fairseq's sampling distribution
-        if forced is not None:  # --prefix-size: the forced token has probability 1
-            is_forced = forced >= 0
-            one_hot = torch.zeros_like(probs).scatter_(1, forced.clamp(min=0).unsqueeze(1), 1.0)
-            probs = torch.where(is_forced.unsqueeze(1), one_hot, probs)
-        ar, layout, q, padded_draft = block.ar, block.layout, block.q, block.padded_draft
-        n_acc = self.sampler.accept(block.draft, block.draft_valid,
-                                    probs[block.draft_pos, block.draft], q)
-        rejected = n_acc < block.draft_len
-        q_next = None
-        if q is not None and q.size(1) > 0:
-            q_next = q[ar, n_acc.clamp(max=q.size(1) - 1)]
-        own = self.sampler.next_tokens(
-            probs[layout.at(ar, n_acc)], rejected, padded_draft[ar, n_acc], q_next
-        )
-        grid = padded_draft.clone()
-        grid[ar, n_acc] = own
-        return n_acc, grid
-
-    def _force_prefix_draft(self, drafts: List[List[int]], batch: Batch, q=None):
-        """Rows still inside their --prefix-size prefix draft the prefix itself (a
-        deterministic draft: with --sampling their q becomes one-hot)."""
-        prefix = batch.prefix_host
-        if prefix is None or prefix.size(1) == 0:
-            return drafts, q
-        n_out = batch.n_out_host.tolist()
-        inside = [r for r, n in enumerate(n_out) if n < prefix.size(1)]
-        if not inside:
-            return drafts, q
-        drafts = list(drafts)
-        for r in inside:
-            forced = [t for t in prefix[r, n_out[r]:].tolist() if t != self.pad]
-            drafts[r] = forced[: batch.max_len - n_out[r]]
-        if q is not None:
-            width = max(len(d) for d in drafts)
-            padded = to_device(torch.tensor([d + [self.pad] * (width - len(d)) for d in drafts],
-                                            dtype=torch.long).view(len(drafts), width), q.device)
-            one_hot = torch.zeros(len(drafts), width, q.size(-1), device=q.device, dtype=q.dtype)
-            one_hot.scatter_(2, padded.unsqueeze(-1), 1.0)
-            keep = min(width, q.size(1))
-            for r in range(len(drafts)):
-                if r not in inside:
-                    one_hot[r, :keep] = q[r, :keep]
-            q = one_hot
-        return drafts, q
-
-    def _hypothesis(self, batch: Batch, r: int):
-        """fairseq's finalized hypothesis dict of active row ``r`` (scores as
-        SequenceGenerator computes them), on the batch's device."""
-        length = int(batch.n_out_host[r])
-        cum = batch.cum_scores[r, :length].clone()
-        positional = cum.clone()
-        positional[1:] = cum[1:] - cum[:-1]
-        score = cum[-1].clone()
-        if self.normalize_scores:
-            score /= length ** self.len_penalty
-        device = batch.device
-        return {
-            "tokens": to_device(batch.tokens[r, 1: length + 1], device),
-            "score": to_device(score, device),
-            "attention": torch.empty(0),
-            "alignment": torch.empty(0),
-            "positional_scores": to_device(positional, device),
-        }
 
 
 def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None,

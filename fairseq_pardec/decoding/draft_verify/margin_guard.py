@@ -15,6 +15,7 @@ forced as a prefix: the decision ``fairseq-generate --batch-size 1`` makes.
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -89,7 +90,7 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     0.138-0.179 in alternating runs. tests/test_fast_step.py compares the replay with
     ``SequenceGenerator``, with and without a bound, on models where every way is taken.
     """
-    from fairseq_pardec.decoding.fairseq_rules import beam_one_choice, token_rules
+    from fairseq_pardec.decoding.fairseq_rules import token_rules
     from fairseq_pardec.decoding.step.block_layout import BlockLayout
     from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 
@@ -125,7 +126,7 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     if steps < generator.min_len:
         lprobs[:, generator.eos] = -math.inf
     if steps == 0:
-        return int(beam_one_choice(lprobs, lprobs.new_zeros(1))[0][0])
+        return _choice(lprobs, np.float32(0.0))
     # The prefix's score only matters where adding it could tie the best two log-probs. A bound
     # on its size comes from the caller, or from one product over all prefix positions (rounded
     # otherwise than fairseq's one-row products, by ~1e-6 per position: the bound adds 1e-3 per
@@ -144,8 +145,18 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     for t, features in enumerate(prefix):
         lp = log_probs(features)[:, tokens[t + 1]]
         score = lp if score is None else score + lp
-    choice, _ = beam_one_choice(lprobs, score)
-    return int(choice[0])
+    return _choice(lprobs, np.float32(score.item()))
+
+
+def _choice(lprobs: Tensor, score: np.float32) -> int:
+    """fairseq's beam-1 choice over one row of adjusted log-probabilities (1, V)."""
+    from fairseq_pardec.decoding.fairseq_rules import beam_one
+
+    if lprobs.size(-1) < 2:
+        return 0
+    values, indices = lprobs.topk(2, dim=-1)
+    first, second = values[0].tolist()
+    return beam_one(lprobs, 0, int(indices[0, 0]), first, second, score)[0]
 
 
 # False runs every decision through SequenceGenerator (tests compare the two)

@@ -109,6 +109,31 @@ class SpeculativeSampler:
         ok &= draft_valid
         return ok.long().cumprod(dim=1).sum(dim=1)
 
+    def decide(self, lprobs: Tensor, forced: Optional[Tensor], block):
+        """Accept / residual / bonus for every row of an engine's block (batch_state.Block):
+        ``lprobs`` (N, V) at its packed positions after fairseq's edits, ``forced`` the forced
+        prefix tokens there (-1: none) or None.
+
+        Returns the accepted draft lengths (B,) and a (B, L) token grid holding, at each row's
+        first non-accepted position, the token drawn there (the rest is never read).
+        """
+        probs = self.filter.probs(lprobs)  # (N, V): fairseq's sampling distribution
+        if forced is not None:  # --prefix-size: the forced token has probability 1
+            is_forced = forced >= 0
+            one_hot = torch.zeros_like(probs).scatter_(1, forced.clamp(min=0).unsqueeze(1), 1.0)
+            probs = torch.where(is_forced.unsqueeze(1), one_hot, probs)
+        ar, layout, q, padded_draft = block.ar, block.layout, block.q, block.padded_draft
+        n_acc = self.accept(block.draft, block.draft_valid, probs[block.draft_pos, block.draft], q)
+        rejected = n_acc < block.draft_len
+        q_next = None
+        if q is not None and q.size(1) > 0:
+            q_next = q[ar, n_acc.clamp(max=q.size(1) - 1)]
+        own = self.next_tokens(probs[layout.at(ar, n_acc)], rejected, padded_draft[ar, n_acc],
+                               q_next)
+        grid = padded_draft.clone()
+        grid[ar, n_acc] = own
+        return n_acc, grid
+
     def next_tokens(self, p_next: Tensor, rejected: Tensor, draft_at: Tensor,
                     q_next: Optional[Tensor]) -> Tensor:
         """The token after each row's accepted draft prefix.
