@@ -9,7 +9,6 @@ of a rollback, each a copy queued like a kernel (``to_device``), never a wait.
 
 from typing import List, Optional
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,7 +29,7 @@ class Batch:
     steps of an iteration read and write, reordered together when rows finish."""
 
     def __init__(self, generator, step: DecoderStep, bsz: int,
-                 max_len: int, bos: int, encoder_out, prefix: Optional[Tensor], device,
+                 max_len: int, bos: int, prefix: Optional[Tensor], device,
                  guard: Optional[float] = None):
         self.generator = generator
         # the decoder step of this batch, chosen when it started (its cache is this step's)
@@ -46,15 +45,13 @@ class Batch:
         # position per row on a step that then rounds as fairseq does (no guard needed yet)
         self.guard = guard
         self.exact_so_far = generator.margin is None and step.one_position_exact
-        # the encoder's output for the batch's rows; for the active rows it is reordered when
-        # read (``encoder_out``): the fast step reads it once, when the batch starts
-        self._encoder_out_all = encoder_out
-        self._encoder_out = (self.rows, encoder_out)
         # on the host: BOS and the accepted tokens, their cumulative scores, the row lengths
         self.tokens = torch.full((bsz, max_len + 2), generator.pad, dtype=torch.long)
         self.tokens[:, 0] = bos
         self.cum_scores = torch.zeros(bsz, max_len + 1)
         self.n_out_host = torch.zeros(bsz, dtype=torch.long)
+        # each row's last accepted token (BOS at first): the next block starts with it
+        self.last = [bos] * bsz
         # the row lengths on the device (the decoder step's positions), after every commit
         self.n_out = torch.zeros(bsz, dtype=torch.long, device=device)
         self.longest = 0
@@ -72,6 +69,7 @@ class Batch:
         # the drafter's and the verifier's shares of the time (benchmark)
         self.drafter_timer = PartTimer(generator.stats, "drafter_time", self.device)
         self.verifier_timer = PartTimer(generator.stats, "verifier_time", self.device)
+        self.encoder_timer = PartTimer(generator.stats, "encoder_time", self.device)
 
     def keep(self, alive: List[int]):
         """Keep the active rows ``alive`` (indices into the active rows), in that order."""
@@ -79,6 +77,7 @@ class Batch:
         self.n_out_host = self.n_out_host[alive_host]
         self.tokens, self.cum_scores = self.tokens[alive_host], self.cum_scores[alive_host]
         self.prev_score = [self.prev_score[i] for i in alive]
+        self.last = [self.last[i] for i in alive]
         self.rows_host = [self.rows_host[i] for i in alive]
         self.longest = int(self.n_out_host.max()) if alive else 0
         if self.prefix_host is not None:
@@ -160,6 +159,12 @@ class Batch:
                                                            device=self.device)
         return gains
 
+    def set_encoder_out(self, encoder_out):
+        """The encoder's output for the batch's rows; for the active rows it is reordered when
+        read (``encoder_out``): the fast step reads it once, when the batch starts."""
+        self._encoder_out_all = encoder_out
+        self._encoder_out = (self.rows, encoder_out)
+
     @property
     def encoder_out(self):
         """The encoder's output for the active rows."""
@@ -202,8 +207,7 @@ class Block:
             template.pos = [[r] for r in range(rows)]
         block = cls.__new__(cls)
         block.__dict__.update(template.__dict__)
-        last = batch.tokens.numpy()[np.arange(rows), batch.n_out_host.numpy()]
-        block.tokens = to_device(torch.from_numpy(last).view(rows, 1), batch.device)
+        block.tokens = torch.tensor(batch.last).view(rows, 1).to(batch.device, non_blocking=True)
         block.proposed = proposed
         return block
 
@@ -216,11 +220,9 @@ class Block:
         rows, lengths = len(drafts), [len(d) for d in drafts]
         width = max(lengths)
         block.rows, block.width, block.drafts, block.lengths = rows, width, drafts, lengths
-        last = batch.tokens.numpy()
-        n_out = batch.n_out_host.tolist()
-        block.tokens = to_device(torch.tensor(
-            [[int(last[r, n_out[r]])] + d + [pad] * (width - len(d))
-             for r, d in enumerate(drafts)]), batch.device)
+        block.tokens = torch.tensor([[last] + d + [pad] * (width - len(d))
+                                     for last, d in zip(batch.last, drafts)]).to(
+                                         batch.device, non_blocking=True)
         block.cols = torch.arange(width + 1, device=batch.device)
         if min(lengths) == width:
             block.pad = torch.zeros(rows, width + 1, dtype=torch.bool, device=batch.device)

@@ -117,8 +117,7 @@ class DraftVerifyGenerator(StatsGenerator):
         # given here; a given margin applies to every iteration, plain steps included (tests
         # hand every decision to fairseq with a wide one)
         self.margin = margin
-        # reads of the device (``read``): one per iteration, more where a close call was
-        # replayed, a tie redone, or drafts made on the device
+        # reads of the device (``read``): one per iteration, and drafts made on the device
         self.device_reads = 0
         self.tgt_dict = tgt_dict
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
@@ -146,8 +145,7 @@ class DraftVerifyGenerator(StatsGenerator):
                 raise UsageError(
                     "--sampling accepts drafts by speculative sampling, which is exact; drop the "
                     "relaxed acceptance options (--gad-beta/--gad-tau, --blockwise-topk, "
-                    "--blockwise-distance, --min-block-size)"
-                )
+                    "--blockwise-distance, --min-block-size)")
             drafter.set_sampler(sampler, temperature)
 
     # ------------------------------------------------------------------ the step
@@ -237,11 +235,12 @@ class DraftVerifyGenerator(StatsGenerator):
             # read at generate time: the setting may change after the generator was built
             weight = self.model.decoder.embed_tokens.weight
             refuse_reduced_precision_matmuls(weight.device, weight.dtype)
-        encoder_out = encode(net_input)
         bos = self.eos if bos_token is None else bos_token
-        batch = Batch(self, step, bsz, max_len, bos, encoder_out, prefix_tokens, device, guard)
+        batch = Batch(self, step, bsz, max_len, bos, prefix_tokens, device, guard)
+        with batch.encoder_timer:
+            batch.set_encoder_out(encode(net_input))
         with batch.drafter_timer:
-            self.drafter.start(sample, encoder_out, bos)
+            self.drafter.start(sample, batch.encoder_out, bos)
         return batch
 
     def _draft(self, batch: Batch) -> Block:
@@ -319,16 +318,17 @@ class DraftVerifyGenerator(StatsGenerator):
         outcome, and roll the cache back to the kept positions."""
         token_view, score_view = batch.tokens.numpy(), batch.cum_scores.numpy()
         n_out = batch.n_out_host.numpy()
-        gained = []
-        for r, row in enumerate(decided):
-            start, count = int(n_out[r]), len(row.tokens)
+        gained, longest = [], batch.longest
+        for r, (start, row) in enumerate(zip(n_out.tolist(), decided)):
+            count = len(row.tokens)
             token_view[r, start + 1: start + 1 + count] = row.tokens
             score_view[r, start: start + count] = row.scores
-            batch.prev_score[r] = row.scores[-1]
+            batch.prev_score[r], batch.last[r] = row.scores[-1], row.tokens[-1]
             gained.append(count)
+            longest = max(longest, start + count)
         n_out += gained
         batch.n_out = to_device(batch.n_out_host, batch.device)
-        batch.longest = int(n_out.max())
+        batch.longest = longest
         if batch.backoff is not None and block.width > 0:
             batch.backoff.update(block.lengths, [row.accepted for row in decided],
                                  batch.iteration - 1)
