@@ -40,7 +40,8 @@ class AutoDrafter(LookupDrafter):
     """Chooses, per row and iteration, among copy, lookup, n-gram and an optional drafter model
     (see the module's text)."""
 
-    BATCH_STATE = dict(LookupDrafter.BATCH_STATE, kind_caps=None, chosen=None, row_probes=None)
+    BATCH_STATE = dict(LookupDrafter.BATCH_STATE, kind_caps=None, chosen=None, row_probes=None,
+                       model_device=None)
     # most iterations a quiet spell lasts under measured prices (they must go on measuring)
     LONGEST_MEASURED_QUIET = 64
 
@@ -75,6 +76,7 @@ class AutoDrafter(LookupDrafter):
         self.row_probes = ProbeSchedule(rows, self.probe_history)
         self.quiet, self.skipped = self._quiet_at_start(rows), 0
         if self.model is not None:
+            self.model_device = sample["net_input"]["src_tokens"].device
             self.model.start(sample, encoder_out, bos)
 
     def _quiet_at_start(self, rows: int):
@@ -205,7 +207,7 @@ class AutoDrafter(LookupDrafter):
         self._count(chosen)
         self.draft_probs = None
         if model_q is not None:
-            self.draft_probs = self._mixed_q(drafts, chosen, model_q, tokens.device)
+            self.draft_probs = self._mixed_q(drafts, chosen, model_q, model_q.device)
         if began is not None:
             self.clock.tick(began, active, sum(len(d) for d in drafts),
                             sum(1 for d in drafts if d), model=bool(model_rows) and not self.heads)
@@ -237,9 +239,13 @@ class AutoDrafter(LookupDrafter):
         caps = [0] * rows.numel()
         for i in model_rows:
             caps[i] = next(length for _, kind, length in plans[i] if kind == self.model_kind)
-        caps = torch.tensor(caps, dtype=torch.long, device=n_out.device)
-        draft, lengths = self.model.propose(rows, tokens, n_out, caps)
-        draft, lengths = draft.tolist(), lengths.tolist()
+        # the drafter model drafts on the model's device, from copies of the host's tables
+        device = self.model_device
+        caps = torch.tensor(caps, dtype=torch.long).to(device, non_blocking=True)
+        draft, lengths = self.model.propose(rows.clone().to(device, non_blocking=True),
+                                            tokens.clone().to(device, non_blocking=True),
+                                            n_out.clone().to(device, non_blocking=True), caps)
+        draft, lengths = draft.tolist(), lengths.tolist()  # the drafter model's read
         drafts = {i: draft[i][: lengths[i]] for i in model_rows}
         return drafts, self.model.draft_probs if self.sampler is not None else None
 
@@ -328,8 +334,12 @@ class AutoDrafter(LookupDrafter):
                 caps.append(options[0][2])
         if not chosen:
             return
-        at = torch.tensor(chosen, dtype=torch.long, device=rows.device)
-        heads.observe(rows[at], features[at.to(features.device)], last[at.to(last.device)],
-                      None if tokens is None else tokens[at.to(tokens.device)],
-                      caps=torch.tensor(caps, dtype=torch.long, device=rows.device))
+        # the heads run on the model's device: what they read is copied there
+        device = features.device
+        at = torch.tensor(chosen, dtype=torch.long)
+        on_device = at.to(device, non_blocking=True)
+        heads.observe(rows[at].to(device, non_blocking=True), features[on_device],
+                      last[at].to(device, non_blocking=True),
+                      None if tokens is None else tokens[on_device],
+                      caps=torch.tensor(caps, dtype=torch.long).to(device, non_blocking=True))
         self.clock.model_ran()

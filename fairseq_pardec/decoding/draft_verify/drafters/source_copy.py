@@ -133,9 +133,9 @@ class CopyDrafter(Drafter):
         # BOS + the accepted tokens seen so far, per row: accepted tokens never change, so each
         # iteration reads only the new ones from the engine's buffer
         self.outputs = [[bos] for _ in self.sources]
-        # priced caps are decided on the host whatever the device (propose reads its rows there)
-        self.caps = AdaptiveCaps(len(self.sources), float("inf"),
-                                 "cpu" if self.prices is not None else src.device, self.history)
+        # the caps live on the host whatever the device: the engine gives this drafter its
+        # host tables, and what it drafts is decided there
+        self.caps = AdaptiveCaps(len(self.sources), float("inf"), "cpu", self.history)
         self._drafted = None
         self.clock = IterationClock(self.prices) if self.prices is not None else None
         # the iterations in which the caps surely give every row no draft (drafts_now)
@@ -145,7 +145,7 @@ class CopyDrafter(Drafter):
         """A batch whose fresh rows would all draft nothing at the CPU's prices (the drafter's
         acceptance so far does not pay) starts quiet, until their first probe: on a model
         whose drafts are rejected a sentence is not asked for drafts at its first token."""
-        if not (self.adaptive and self.caps.on_host and self.block_size is None
+        if not (self.adaptive and self.on_cpu and self.block_size is None
                 and self.prices is None and self.CPU_PRICES is not None and rows > 0):
             return None
         value, position, drafting_row = self.CPU_PRICES.prices(rows)
@@ -198,7 +198,7 @@ class CopyDrafter(Drafter):
             value, position, drafting_row = self.prices.prices(len(rows))
             return self.caps.priced_caps(rows, value, position, drafting_row, caps)
         if self.adaptive:
-            if self.caps.on_host and self.block_size is None and self.CPU_PRICES is not None:
+            if self.on_cpu and self.block_size is None and self.CPU_PRICES is not None:
                 # the CPU's prices: per row the length that pays for its positions and its
                 # drafting (AdaptiveCaps.priced_caps), under its recent mean
                 value, position, drafting_row = self.CPU_PRICES.prices(len(rows))
@@ -207,10 +207,7 @@ class CopyDrafter(Drafter):
                     spell = self.caps.quiet_for(rows, caps, nothing_pays=value <= position)
                     self.quiet = QuietSpell(len(rows), spell) if spell > 0 else None
                 return own
-            if self.caps.on_host:
-                own = self.caps.host_caps(rows)
-            else:
-                own = self.caps.caps(torch.tensor(rows, device=self.caps.mean.device)).tolist()
+            own = self.caps.host_caps(rows)
             caps = [min(cap, mine) for cap, mine in zip(caps, own)]
         return caps
 
@@ -236,31 +233,17 @@ class CopyDrafter(Drafter):
     def _catch_up(self):
         """The iterations that passed without ``propose`` count towards the rows' probes."""
         if self.skipped:
-            if self.caps.on_host:
-                self.caps.skip(self.skipped)
+            self.caps.skip(self.skipped)
             self.skipped = 0
 
     def _read_new_tokens(self, row_ids: List[int], tokens: Tensor, n_out: List[int]):
-        """Append each row's tokens accepted since the last call (on the CPU a slice per row,
-        elsewhere one small gather)."""
-        known = [len(self.outputs[row]) for row in row_ids]
-        new = [n + 1 - k for n, k in zip(n_out, known)]
-        width = max(new, default=0)
-        if width <= 0:
-            return
-        if tokens.device.type == "cpu":
-            # a view of the buffer: each row's new tokens are one slice, no tensor operation
-            table = tokens.numpy()
-            for i, (row, count) in enumerate(zip(row_ids, new)):
-                if count > 0:
-                    self.outputs[row].extend(table[i, known[i]: known[i] + count].tolist())
-            return
-        cols = torch.tensor(known, device=tokens.device).unsqueeze(1) + torch.arange(
-            width, device=tokens.device)
-        fresh = tokens.gather(1, cols.clamp(max=tokens.size(1) - 1)).tolist()
-        for row, count, values in zip(row_ids, new, fresh):
-            if count > 0:
-                self.outputs[row].extend(values[:count])
+        """Append each row's tokens accepted since the last call, from the engine's table on
+        the host (a view of its buffer: each row's new tokens are one slice)."""
+        table = tokens.numpy()
+        for i, (row, n) in enumerate(zip(row_ids, n_out)):
+            known = len(self.outputs[row])
+            if n + 1 > known:
+                self.outputs[row].extend(table[i, known: n + 1].tolist())
 
     def _read_drafting_rows(self, row_ids: List[int], tokens: Tensor, lengths: List[int],
                             caps: List[int]):
@@ -303,8 +286,5 @@ class CopyDrafter(Drafter):
     def observe(self, rows, features, last, tokens=None):
         if self.adaptive and self._drafted is not None:
             drafted_rows, drafted = self._drafted
-            if self.caps.on_host:
-                self.caps.host_update(drafted_rows.tolist(), drafted.tolist(), last.tolist())
-            else:
-                self.caps.update(drafted_rows, drafted, last.to(drafted.device))
+            self.caps.host_update(drafted_rows.tolist(), drafted.tolist(), last.tolist())
         self._drafted = None
