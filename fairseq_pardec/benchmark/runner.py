@@ -101,6 +101,7 @@ def load(args):
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
     task = tasks.setup_task(cfg.task)
     task.report_summary = False  # the benchmark reports itself
+    task.warm_up_generators = False  # its own warm-up, or none with --warmup-sentences 0
     use_cuda = torch.cuda.is_available() and not args.cpu
     model = load_model(task, args.path, args, use_cuda)
     task.load_dataset(args.gen_subset)

@@ -22,13 +22,14 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from fairseq_pardec import errors
 from fairseq_pardec.errors import UsageError, running_a_cli
-from fairseq_pardec.decoding.registry import GENERATORS, SPECS, help_text
+from fairseq_pardec.decoding.registry import GENERATORS, SPECS, DraftVerifyGenerator, help_text
 from fairseq_pardec.decoding.fairseq_baselines import use_beam_one
 from fairseq_pardec.decoding.options import ARG_VALIDATORS, refuse
 from fairseq_pardec.models.loading import mark_from_checkpoint
 from fairseq_pardec.tasks import interactive_input
 from fairseq_pardec.tasks.binarized_data import check_binarized
 from fairseq_pardec.tasks.checkpoint_fit import refuse_non_verifiers, warn_other_direction
+from fairseq_pardec.tasks.warm_up import decoding_cli, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,9 @@ class TranslationPardecConfig(TranslationConfig):
     # Set by the parser when --beam is typed (_RecordTypedBeam): a greedy-only --generator then
     # leaves the typed beam for its check instead of setting beam 1 (_GreedyGeneratorBeam).
     explicit_beam: Optional[int] = field(default=None, metadata={"help": argparse.SUPPRESS})
+    # Set by the parser when --num-workers is typed (_RecordTypedNumWorkers): fairseq-generate
+    # then loads batches with the workers asked for, else in its own process (get_batch_iterator).
+    explicit_num_workers: Optional[int] = field(default=None, metadata={"help": argparse.SUPPRESS})
 
 
 class _RecordTypedBeam(argparse._StoreAction):
@@ -112,6 +116,14 @@ class _RecordTypedBeam(argparse._StoreAction):
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)
         namespace.explicit_beam = values
+
+
+class _RecordTypedNumWorkers(argparse._StoreAction):
+    """``--num-workers``, also remembering that it was typed (``explicit_num_workers``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace.explicit_num_workers = values
 
 
 class _GreedyGeneratorBeam(argparse._StoreAction):
@@ -185,10 +197,16 @@ class TranslationPardecTask(TranslationTask):
     ``report_summary``: on fairseq's command lines, log each generator's statistics when the
     process ends (the CLIs' summary line); a caller that reports by itself (the benchmark)
     turns it off.
+
+    ``warm_up_generators``: whether each draft-and-verify generator decodes one synthetic
+    sentence when it is built (tasks/warm_up.py), so that its one-time set-up is not timed as
+    decoding. None: on fairseq-generate and fairseq-interactive only; the benchmark has a
+    warm-up protocol of its own and turns it off.
     """
 
     cfg: TranslationPardecConfig
     report_summary = True
+    warm_up_generators: Optional[bool] = None
 
     @classmethod
     def add_args(cls, parser):
@@ -201,6 +219,8 @@ class TranslationPardecTask(TranslationTask):
                 action.__class__ = _RecordTypedBeam
             if "--generator" in action.option_strings and type(action) is argparse._StoreAction:
                 action.__class__ = _GreedyGeneratorBeam
+            if "--num-workers" in action.option_strings and type(action) is argparse._StoreAction:
+                action.__class__ = _RecordTypedNumWorkers
 
     def with_options(self, **options):
         """A copy of this task whose config has ``options`` (``generator="gad"``, ...) set.
@@ -269,8 +289,25 @@ class TranslationPardecTask(TranslationTask):
         # -validate, -interactive, library callers) keep the tail batch
         training = "skip_remainder_batch" in kwargs or len(args) >= _SKIP_REMAINDER_POSITION
         _keep_tail_batch(dataset, keep=not training)
+        if not training and "num_workers" in kwargs:
+            kwargs["num_workers"] = self._decoding_workers(kwargs["num_workers"])
         interactive_input.skip_long_lines(self, dataset, kwargs.get("max_positions"))
         return super().get_batch_iterator(dataset, *args, **kwargs)
+
+    def _decoding_workers(self, asked: int) -> int:
+        """The DataLoader workers of a decoding command line's batches: those typed with
+        ``--num-workers``, else none (the batches are collated in the decoding process).
+
+        fairseq's default of one worker process wakes for every batch to collate the next one
+        while the model decodes the current one, and on a CPU whose cores all run the decoder's
+        threads it takes a core from them: a parallel region then waits for the thread it
+        preempted, and fairseq-generate's timed decoding slows by far more than the collation
+        costs. Collating in the decoding process runs it between two ``generate`` calls,
+        outside fairseq's decode timer, as the benchmark does.
+        """
+        if getattr(self.cfg, "explicit_num_workers", None) is not None or not decoding_cli():
+            return asked
+        return 0
 
     # ------------------------------------------------------------------ generators
     def build_generator(
@@ -311,6 +348,9 @@ class TranslationPardecTask(TranslationTask):
             extra_gen_cls_kwargs=extra_gen_cls_kwargs,
             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
         )
+        warm = decoding_cli() if self.warm_up_generators is None else self.warm_up_generators
+        if warm and isinstance(generator, DraftVerifyGenerator):
+            warm_up(generator, models[0], self.source_dictionary)
         if self.report_summary and running_a_cli():  # a library caller reads generator.stats
             global _reporter
             if _reporter is None:
