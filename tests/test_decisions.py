@@ -4,7 +4,8 @@
 
 import pytest
 
-from fairseq_pardec.decoding.draft_verify.drafters import NoDrafter
+from fairseq_pardec.decoding.draft_verify.drafters import AutoDrafter, NoDrafter
+from fairseq_pardec.decoding.draft_verify.drafters.pricing import CPU_PRICES
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.draft_verify.acceptance import TopBetaTauAcceptance
@@ -18,13 +19,15 @@ def _drafter(name, src, tgt):
         return NoDrafter(), ExactAcceptance()
     if name == "copy":
         return CopyDrafter(src, tgt, adaptive=True), ExactAcceptance()
+    if name == "auto":
+        return AutoDrafter(src, tgt, prices=CPU_PRICES), ExactAcceptance()
     # registry.py's lookup: --gad-beta 1 --gad-tau 0, exact
     return LookupDrafter(src, tgt, None, adaptive=True), TopBetaTauAcceptance(1, 0.0)
 
 
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 @pytest.mark.parametrize("fast", [True, False])
-@pytest.mark.parametrize("drafter", ["none", "copy", "lookup"])
+@pytest.mark.parametrize("drafter", ["none", "copy", "lookup", "auto"])
 def test_every_generator_gives_fairseq_greedy(batch_size, fast, drafter):
     src = make_dictionary(50)
     tgt = make_dictionary(50)
