@@ -9,6 +9,7 @@ of a rollback, each a copy queued like a kernel (``to_device``), never a wait.
 
 from typing import List, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -55,8 +56,9 @@ class Batch:
         # the row lengths on the device (the decoder step's positions), after every commit
         self.n_out = torch.zeros(bsz, dtype=torch.long, device=device)
         self.longest = 0
-        # the cumulative score of each row's last accepted token, as a float32 value
-        self.prev_score = [0.0] * bsz
+        # the cumulative score of each row's last accepted token, a numpy float32
+        self.prev_score = [np.float32(0.0)] * bsz
+        self.views()
         self.cache = step.new_state(max_len=max_len)
         self.backoff = DraftBackoff(bsz) if generator.backoff else None
         # row count -> a block without drafts, less its tokens (Block.last_tokens)
@@ -76,6 +78,7 @@ class Batch:
         alive_host = torch.tensor(alive, dtype=torch.long)
         self.n_out_host = self.n_out_host[alive_host]
         self.tokens, self.cum_scores = self.tokens[alive_host], self.cum_scores[alive_host]
+        self.views()
         self.prev_score = [self.prev_score[i] for i in alive]
         self.last = [self.last[i] for i in alive]
         self.rows_host = [self.rows_host[i] for i in alive]
@@ -95,6 +98,11 @@ class Batch:
     def margin(self) -> Optional[float]:
         """The margin the guard applies in the current iteration (None: none applies)."""
         return None if self.exact_so_far else self.guard
+
+    def views(self):
+        """numpy views of the host tables, which the commit writes through."""
+        self.tokens_np, self.scores_np = self.tokens.numpy(), self.cum_scores.numpy()
+        self.n_out_np = self.n_out_host.numpy()
 
     def forcing_prefix(self) -> Optional[Tensor]:
         """The forced prefixes while some row's next step lies inside them (known on the
@@ -207,7 +215,8 @@ class Block:
             template.pos = [[r] for r in range(rows)]
         block = cls.__new__(cls)
         block.__dict__.update(template.__dict__)
-        block.tokens = torch.tensor(batch.last).view(rows, 1).to(batch.device, non_blocking=True)
+        block.tokens = torch.from_numpy(np.array(batch.last, dtype=np.int64).reshape(rows, 1)).to(
+            batch.device, non_blocking=True)
         block.proposed = proposed
         return block
 

@@ -37,12 +37,13 @@ class Decided:
     draft tokens it accepted, whether it ended (EOS), and the block position of its last kept
     token."""
 
-    __slots__ = ("tokens", "scores", "accepted", "ended", "last_pos")
+    __slots__ = ("tokens", "scores", "accepted", "ended", "last_pos", "final")
 
     def __init__(self, tokens: List[int], scores: List[float], accepted: int, ended: bool,
-                 last_pos: int):
+                 last_pos: int, final: np.float32):
         self.tokens, self.scores, self.accepted = tokens, scores, accepted
         self.ended, self.last_pos = ended, last_pos
+        self.final = final  # the last score as the float32 the next additions start from
 
 
 class Reading:
@@ -120,7 +121,7 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
         draft, length, row_pos = drafts[r], lengths[r], pos[r]
         forced = _forced_tokens(batch, r, n_out[r], length) if reading.forced_lp else None
         least = rule.least_accepted(length)
-        score = _f32(batch.prev_score[r])
+        score = batch.prev_score[r]
         tokens, scores = [], []
         accepted = 0
         for j in range(length + 1):
@@ -150,13 +151,13 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
                 elif j < least or rule.host_ok(draft[j], token,
                                                reading.verdict[at] if reading.verdict else 0.0):
                     kept, token, lp = True, draft[j], reading.draft_lp[at]
-            score = _f32(score + _f32(lp))
+            score = score + _f32(lp)  # float32 + float32: rounded to float32
             tokens.append(token)
             scores.append(float(score))
             accepted += kept
             if token == eos or not kept:
                 break
-        decided.append(Decided(tokens, scores, accepted, token == eos, at))
+        decided.append(Decided(tokens, scores, accepted, token == eos, at, score))
     return decided
 
 
@@ -180,10 +181,10 @@ def sampled(generator, batch, block, lprobs: Tensor, n_acc: Tensor, grid: Tensor
         if eos in draft:  # a drawn draft ends at its EOS
             end = draft.index(eos) + 1
             tokens, lps, accepted = tokens[:end], lps[:end], end
-        score, scores = _f32(batch.prev_score[r]), []
+        score, scores = batch.prev_score[r], []
         for lp in lps:
-            score = _f32(score + _f32(lp))
+            score = score + _f32(lp)  # float32 + float32: rounded to float32
             scores.append(float(score))
         decided.append(Decided(tokens, scores, min(accepted, int(row[0])),
-                               tokens[-1] == eos, block.pos[r][len(tokens) - 1]))
+                               tokens[-1] == eos, block.pos[r][len(tokens) - 1], score))
     return decided

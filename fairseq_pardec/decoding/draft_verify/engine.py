@@ -316,17 +316,16 @@ class DraftVerifyGenerator(StatsGenerator):
     def _commit(self, batch: Batch, block: Block, features: Tensor, decided):
         """4. Append each row's new tokens and their scores on the host, show the drafter the
         outcome, and roll the cache back to the kept positions."""
-        token_view, score_view = batch.tokens.numpy(), batch.cum_scores.numpy()
-        n_out = batch.n_out_host.numpy()
+        token_view, score_view, n_out = batch.tokens_np, batch.scores_np, batch.n_out_np
         gained, longest = [], batch.longest
         for r, (start, row) in enumerate(zip(n_out.tolist(), decided)):
             count = len(row.tokens)
             token_view[r, start + 1: start + 1 + count] = row.tokens
             score_view[r, start: start + count] = row.scores
-            batch.prev_score[r], batch.last[r] = row.scores[-1], row.tokens[-1]
+            batch.prev_score[r], batch.last[r] = row.final, row.tokens[-1]
+            n_out[r] = start + count
             gained.append(count)
             longest = max(longest, start + count)
-        n_out += gained
         batch.n_out = to_device(batch.n_out_host, batch.device)
         batch.longest = longest
         if batch.backoff is not None and block.width > 0:
