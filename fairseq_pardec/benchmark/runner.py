@@ -352,6 +352,8 @@ def run(args):
                                   if st.get("drafter_time") and st["wall_time"] > 0 else None),
                 "verifier_share": (st["verifier_time"] / st["wall_time"]
                                    if st.get("verifier_time") and st["wall_time"] > 0 else None),
+                "encoder_share": (st["encoder_time"] / st["wall_time"]
+                                  if st.get("encoder_time") and st["wall_time"] > 0 else None),
                 "target_tokens": st["target_tokens"],
                 # decisions the margin guard handed to fairseq's own search (the last run's),
                 # for generators that have the guard
@@ -360,6 +362,9 @@ def run(args):
                 # --generator auto: each drafter's share of the row-iterations (the last run's)
                 "drafts": getattr(generators[label].stats, "drafter_shares", str)() or None,
             }
+            if row["verifier_share"] is not None:  # what runs between the model's calls
+                row["engine_share"] = 1.0 - sum(row[part] or 0.0 for part in (
+                    "verifier_share", "drafter_share", "encoder_share"))
             row.update(quality(task, outputs[label], references, args.remove_bpe, sources))
             if greedy_label is not None:
                 same, first = divergence(outputs[label], outputs[greedy_label])
