@@ -5,7 +5,7 @@
   (step/margins.py): the measurement the constant waits for, printed;
 * crafted near-ties decided by fairseq's arithmetic replayed on the GPU, for every step kind;
 * TF32 products refused before decoding;
-* the engine's tensor path reads the device once per iteration (its counter, and torch's own
+* the engine reads the device once per iteration (its counter, and torch's own
   sync detector attributing each synchronising call to engine.py).
 """
 

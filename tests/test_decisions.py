@@ -73,3 +73,28 @@ def test_every_position_close():
     assert by_id(sample, got) == by_id(sample, fairseq_greedy(model, d, sample, **limits))
     # every token but an EOS forced at the length limit (the only candidate left)
     assert generator.stats.close_calls >= generator.stats.target_tokens - 3
+
+
+def test_minimum_block_keeps_the_longer_of_the_run_and_the_floor():
+    """--min-block-size: the rule's run of accepted tokens from the left, or the floor where
+    that is longer (MinimumBlock.accept), never tokens the rule accepts after its run broke."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from fairseq_pardec.decoding.draft_verify.acceptance import MinimumBlock
+    from fairseq_pardec.decoding.draft_verify.decisions import Reading, decide
+
+    rule = MinimumBlock(ExactAcceptance(), 3)  # keeps at least 2 draft tokens
+    draft, best = [5, 6, 7, 8], [9, 9, 7, 8, 4]  # the verifier agrees at positions 2 and 3 only
+    generator = SimpleNamespace(acceptance=rule, eos=2, stats=None)
+    batch = SimpleNamespace(n_out_host=torch.zeros(1, dtype=torch.long), margin=None,
+                            prev_score=[np.float32(0.0)], prefix_host=None)
+    block = SimpleNamespace(rows=1, drafts=[draft], lengths=[4], pos=[[0, 1, 2, 3, 4]])
+    reading = Reading([[-0.1, -3.0]] * 5, best, draft_lp=[-1.0] * 5, verdict=[0.0] * 5)
+    (row,) = decide(generator, batch, block, reading, None, None, None)
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    expected = int(rule.accept(torch.tensor([draft]), valid, None, torch.tensor([best[:4]]))[0])
+    assert row.accepted == expected == 2
+    assert row.tokens == [5, 6, 7]  # two draft tokens kept, then the verifier's own

@@ -265,8 +265,7 @@ def _iad(model, d, **kwargs):
 @pytest.mark.parametrize("batch_size", [1, 8, 64])
 def test_static_engine_equals_fairseq(batch_size):
     """Copy, random and lookup drafters on the static step give fairseq greedy's output, with
-    the decisions made on the host and with the engine's tensor path, and with a length limit
-    that cuts sentences off (at 64 rows, the copy drafter only)."""
+    and without a length limit that cuts sentences off (at 64 rows, the copy drafter only)."""
     d = make_dictionary(50)
     model = tiny_transformer(make_task(d), seed=40 + batch_size)
     sample = random_batch(d, [1 + (i * 13) % 45 for i in range(batch_size)], seed=batch_size)

@@ -1,6 +1,6 @@
 """Every decoder step declares its margin, and the engine guards every step that may round
 otherwise than fairseq: on crafted near-ties each step kind's close calls go to fairseq's own
-arithmetic, and the output stays fairseq's. Also: the TF32 refusal, and the tensor path's one
+arithmetic, and the output stays fairseq's. Also: the TF32 refusal, and the engine's one
 read of the device per iteration."""
 
 import pytest

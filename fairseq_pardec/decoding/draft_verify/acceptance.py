@@ -1,9 +1,12 @@
 """Acceptance rules: which prefix of a draft the verifier accepts.
 
-Every rule sees, for each row, the draft tokens, which of them are real (ragged drafts are
-padded), the verifier's (masked) log-probabilities at each draft position and the verifier's own
-choice there. It returns the number of leading draft tokens accepted. The engine then appends the
-verifier's own token at the first rejected position, so every iteration gains at least one token.
+The engine's decisions (decisions.py) walk each row's draft on the host: a draft token equal to
+the verifier's choice is accepted by every rule; one that differs asks the rule (``host_ok``),
+with the verdict the device computed for it where the rule reads log-probabilities
+(``device_verdicts``, from :meth:`token_ok`); the run of accepted tokens from the left is kept,
+or ``least_accepted`` tokens where that is more (--min-block-size). The verifier's own token
+follows at the first rejected position, so every iteration gains at least one token.
+:meth:`accept` states the same rule over whole tensors.
 
 ``ExactAcceptance`` accepts a draft token only when it *is* the verifier's greedy choice: the
 output is then identical to greedy decoding (lossless). Relaxed rules (GAD++'s top-beta within

@@ -146,12 +146,14 @@ class Batch:
         cum = self.cum_scores[r, :length].clone()
         positional = cum.clone()
         positional[1:] = cum[1:] - cum[:-1]
-        score = cum[-1].clone()
+        # divided on the batch's device, as fairseq divides (CUDA's division by a scalar rounds
+        # otherwise than the CPU's)
+        score = to_device(cum[-1], self.device)
         if generator.normalize_scores:
             score /= length ** generator.len_penalty
         return {
             "tokens": to_device(self.tokens[r, 1: length + 1], self.device),
-            "score": to_device(score, self.device),
+            "score": score,
             "attention": torch.empty(0),
             "alignment": torch.empty(0),
             "positional_scores": to_device(positional, self.device),

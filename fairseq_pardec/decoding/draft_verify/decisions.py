@@ -124,6 +124,7 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
         score = batch.prev_score[r]
         tokens, scores = [], []
         accepted = 0
+        run = True  # whether the rule accepted every draft token so far (--min-block-size)
         for j in range(length + 1):
             at = row_pos[j]
             close = False
@@ -146,11 +147,13 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
                     generator.stats.close_calls += 1
             kept = False
             if j < length and not close:
-                if draft[j] == token:
-                    kept = True
-                elif j < least or rule.host_ok(draft[j], token,
-                                               reading.verdict[at] if reading.verdict else 0.0):
-                    kept, token, lp = True, draft[j], reading.draft_lp[at]
+                # the rule's run of accepted tokens from the left, and at least ``least`` tokens
+                # whatever it says (MinimumBlock: the longer of the two)
+                run = run and (draft[j] == token or rule.host_ok(
+                    draft[j], token, reading.verdict[at] if reading.verdict else 0.0))
+                kept = run or j < least
+                if kept and draft[j] != token:
+                    token, lp = draft[j], reading.draft_lp[at]
             score = score + _f32(lp)  # float32 + float32: rounded to float32
             tokens.append(token)
             scores.append(float(score))

@@ -117,7 +117,8 @@ class DraftVerifyGenerator(StatsGenerator):
         # given here; a given margin applies to every iteration, plain steps included (tests
         # hand every decision to fairseq with a wide one)
         self.margin = margin
-        # reads of the device (``read``): one per iteration, and drafts made on the device
+        # the engine's reads (``read``): one per iteration, and the drafts of a drafter on the
+        # device (a tie's redo, a close call's replay and a drafter's own reads go around it)
         self.device_reads = 0
         self.tgt_dict = tgt_dict
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
@@ -194,7 +195,7 @@ class DraftVerifyGenerator(StatsGenerator):
         return self._guard_margin(self.block_decoder) is not None
 
     def read(self, t: Tensor) -> Tensor:
-        """The engine's one way to the host: a small tensor read from the device."""
+        """The engine's way to the host: a small tensor read from the device."""
         self.device_reads += 1
         return t.cpu()
 
@@ -273,10 +274,10 @@ class DraftVerifyGenerator(StatsGenerator):
         """The drafter's drafts as lists. A drafter on the host reads the host's tables; one on
         the device (a drafter model) gets their copies, and its drafts are read."""
         drafter = self.drafter
-        if drafter.on_device:
-            device = batch.device
-            draft, lengths = drafter.propose(batch.rows, to_device(batch.tokens, device),
-                                             batch.n_out, to_device(room, device))
+        if drafter.on_device:  # (the token table is copied for a drafter that reads it)
+            device, tokens = batch.device, batch.tokens if drafter.reads_tokens else None
+            draft, lengths = drafter.propose(batch.rows, tokens if tokens is None else to_device(
+                tokens, device), batch.n_out, to_device(room, device))
             host = self.read(torch.cat([lengths.unsqueeze(1), draft], 1)).tolist()
             return [row[1: 1 + row[0]] for row in host]
         draft, lengths = drafter.propose(torch.tensor(batch.rows_host), batch.tokens,

@@ -314,8 +314,11 @@ class AutoDrafter(LookupDrafter):
             return
         if self.heads:
             self._heads_propose(rows, features, last, tokens)
-        else:  # gad's own caps follow what its drafts kept (a no-op where it did not run)
-            self.model.observe(rows, features, last, tokens)
+        else:  # gad's own caps follow what its drafts kept (a no-op where it did not run);
+            # they live on the model's device, and the engine gives auto the host's rows
+            device = self.model_device
+            self.model.observe(rows.to(device, non_blocking=True), features,
+                               last.to(device, non_blocking=True), tokens)
 
     def _heads_propose(self, rows, features, last, tokens):
         """Run the proposal heads for the rows whose heads' draft would pay next iteration

@@ -322,6 +322,9 @@ class Drafter:
     # decoding's heads): the engine gives it device copies of the rows, tokens and lengths and
     # reads its drafts; the others draft on the host from the host's tables
     on_device = False
+    # False for a drafter on the device that never reads ``propose``'s tokens (the heads draft
+    # from the verifier's features): the engine then copies no token table there
+    reads_tokens = True
     # True for a drafter that never drafts (NoDrafter): the engine then builds one-position
     # blocks directly and keeps no back-off
     drafts_nothing = False

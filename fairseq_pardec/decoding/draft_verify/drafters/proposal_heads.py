@@ -24,6 +24,7 @@ class HeadsDrafter(Drafter):
     """
 
     on_device = True  # a drafter model: it drafts where the verifier runs
+    reads_tokens = False  # the heads draft from the verifier's features
 
     BATCH_STATE = dict(Drafter.BATCH_STATE, next_draft=None, next_len=None, next_probs=None,
                        caps=None, drafted=None)
