@@ -15,6 +15,7 @@ from torch import Tensor
 
 from fairseq_pardec.decoding.decode_stats import PartTimer
 from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
+from fairseq_pardec.decoding.draft_verify.drafters.base import pad_drafts
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.interface import DecoderStep
 
@@ -126,9 +127,8 @@ class Batch:
             forced = [t for t in prefix[r, n_out[r]:].tolist() if t != pad]
             drafts[r] = forced[: self.max_len - n_out[r]]
         if q is not None:
-            width = max(len(d) for d in drafts)
-            padded = to_device(torch.tensor([d + [pad] * (width - len(d)) for d in drafts],
-                                            dtype=torch.long).view(len(drafts), width), q.device)
+            padded, _ = pad_drafts(drafts, pad, q.device)
+            width = padded.size(1)
             one_hot = torch.zeros(len(drafts), width, q.size(-1), device=q.device, dtype=q.dtype)
             one_hot.scatter_(2, padded.unsqueeze(-1), 1.0)
             keep = min(width, q.size(1))
@@ -258,11 +258,9 @@ class Block:
         if name not in ("ar", "draft", "draft_len", "draft_valid", "draft_pos", "padded_draft"):
             raise AttributeError(name)
         device, width = self.device, self.width
-        padded = torch.tensor([d + [self.padded_with] * (width + 1 - len(d))
-                               for d in self.drafts], dtype=torch.long).view(self.rows, width + 1)
-        self.padded_draft = to_device(padded, device)
-        self.draft = self.padded_draft[:, :width]
-        self.draft_len = to_device(torch.tensor(self.lengths, dtype=torch.long), device)
+        self.draft, self.draft_len = pad_drafts(self.drafts, self.padded_with, device)
+        self.padded_draft = torch.cat(
+            [self.draft, self.draft.new_full((self.rows, 1), self.padded_with)], dim=1)
         self.ar = torch.arange(self.rows, device=device)
         self.draft_valid = ~self.pad[:, 1:]
         self.draft_pos = self.layout.pos[:, :width].clamp(min=0)
