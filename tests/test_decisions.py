@@ -43,6 +43,16 @@ def test_every_generator_gives_fairseq_greedy(batch_size, fast, drafter):
     assert generator.device_reads == generator.stats.decoder_calls
 
 
+@pytest.mark.parametrize("drafter", ["none", "copy", "lookup", "auto"])
+def test_without_the_native_walk(drafter, monkeypatch):
+    """Where the native library is off (no compiler, FAIRSEQ_PARDEC_NATIVE=off), Python's walk
+    decides every row: the same output."""
+    from fairseq_pardec.decoding.draft_verify import batch_state
+
+    monkeypatch.setattr(batch_state, "native_kernel", lambda: None)
+    test_every_generator_gives_fairseq_greedy(8, False, drafter)
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_near_ties(fast):
     """The twin-token model ties fairseq's choice after adding the score at many steps: the
@@ -84,17 +94,79 @@ def test_minimum_block_keeps_the_longer_of_the_run_and_the_floor():
     import torch
 
     from fairseq_pardec.decoding.draft_verify.acceptance import MinimumBlock
-    from fairseq_pardec.decoding.draft_verify.decisions import Reading, decide
+    from fairseq_pardec.decoding.draft_verify.decisions import Reading, walk_row
 
     rule = MinimumBlock(ExactAcceptance(), 3)  # keeps at least 2 draft tokens
     draft, best = [5, 6, 7, 8], [9, 9, 7, 8, 4]  # the verifier agrees at positions 2 and 3 only
     generator = SimpleNamespace(acceptance=rule, eos=2, stats=None)
-    batch = SimpleNamespace(n_out_host=torch.zeros(1, dtype=torch.long), margin=None,
-                            prev_score=[np.float32(0.0)], prefix_host=None)
-    block = SimpleNamespace(rows=1, drafts=[draft], lengths=[4], pos=[[0, 1, 2, 3, 4]])
-    reading = Reading([[-0.1, -3.0]] * 5, best, draft_lp=[-1.0] * 5, verdict=[0.0] * 5)
-    (row,) = decide(generator, batch, block, reading, None, None, None)
+    batch = SimpleNamespace(n_out_np=np.zeros(1, dtype=np.int64), margin=None,
+                            prev_score=np.zeros(1, dtype=np.float32), prefix_host=None)
+    block = SimpleNamespace(rows=1, drafts=[draft], lengths=[4], pos=np.arange(5).reshape(1, 5))
+    top = [[-0.1, -3.0]] * 5
+    reading = Reading(np.array(top, dtype=np.float32), np.array(best), None,
+                      draft_lp=np.full(5, -1.0, dtype=np.float32), verdict=np.zeros(5))
+    tokens, _, accepted, _, _ = walk_row(generator, batch, block, reading, top, None, None, None, 0)
     valid = torch.ones(1, 4, dtype=torch.bool)
     expected = int(rule.accept(torch.tensor([draft]), valid, None, torch.tensor([best[:4]]))[0])
-    assert row.accepted == expected == 2
-    assert row.tokens == [5, 6, 7]  # two draft tokens kept, then the verifier's own
+    assert accepted == expected == 2
+    assert tokens == [5, 6, 7]  # two draft tokens kept, then the verifier's own
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_walk_decides_as_python(seed):
+    """The native walk (native_decide.c) keeps what Python's walk keeps, tables and outcome
+    alike, on random blocks with drafts that match for a while, EOS, and exact ties (rows the
+    native walk leaves to Python's)."""
+    import numpy as np
+    import torch
+
+    from fairseq_pardec.decoding.draft_verify.batch_state import Batch, Block
+    from fairseq_pardec.decoding.draft_verify.decisions import Reading, decide
+
+    d = make_dictionary(30)
+    model = tiny_transformer(make_task(d), seed=1)
+    generator = DraftVerifyGenerator([model], d, CopyDrafter(d, d), ExactAcceptance())
+    rng = np.random.default_rng(seed)
+    rows, vocab, eos = 12, len(d), d.eos()
+    lengths = rng.integers(0, 5, rows).tolist()
+    history = rng.integers(0, 6, rows)
+    start_scores = -rng.random(rows).astype(np.float32) * 10
+
+    def fresh_batch(native: bool) -> Batch:
+        batch = Batch(generator, generator.block_decoder, rows, 30, eos, None, "cpu")
+        if not native:
+            batch.decider = None
+        batch.n_out_np[:] = history
+        batch.prev_score[:] = start_scores
+        return batch
+
+    layout = Block.from_lists(fresh_batch(True), [[4] * n for n in lengths], d.pad())
+    lprobs = torch.from_numpy(rng.standard_normal((layout.pos.max() + 1, vocab)).astype(
+        np.float32))
+    lprobs[:, d.pad()] = -float("inf")
+    ties = rng.random(lprobs.size(0)) < 0.1
+    for at in np.flatnonzero(ties):  # an exact tie of the best two
+        order = lprobs[at].argsort(descending=True)
+        lprobs[at, order[1]] = lprobs[at, order[0]]
+    lprobs[rng.random(lprobs.size(0)) < 0.1, eos] = 10.0  # EOS wins there
+    values = lprobs.topk(2, dim=-1).values.numpy().copy()
+    best = lprobs.numpy().argmax(1).astype(np.int64)
+    drafts = []
+    for r, n in enumerate(lengths):  # the verifier's tokens for a while, then another
+        agree = rng.integers(0, n + 1)
+        drafts.append([int(best[layout.pos[r, j]]) if j < agree else 5 for j in range(n)])
+
+    kept = []
+    for native in (True, False):
+        batch = fresh_batch(native)
+        block = Block.from_lists(batch, drafts, d.pad())
+        reading = Reading(values, best, (values.ctypes.data, best.ctypes.data))
+        outcome = decide(generator, batch, block, reading, lprobs, None, None)
+        kept.append([batch.tokens_np.copy(), batch.scores_np.copy(), batch.n_out_np.copy(),
+                     batch.prev_score.copy(), batch.last.copy(), outcome.gained.copy(),
+                     outcome.accepted.copy(), outcome.ended.copy(), outcome.last_pos.copy()])
+        if native:
+            left = outcome.left.copy()
+    assert 0 < left.sum() < rows  # both walks ran
+    for native_part, python_part in zip(*kept):
+        assert np.array_equal(native_part, python_part)

@@ -15,9 +15,11 @@ from torch import Tensor
 
 from fairseq_pardec.decoding.decode_stats import PartTimer
 from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
+from fairseq_pardec.decoding.draft_verify.decisions import Outcome
 from fairseq_pardec.decoding.draft_verify.drafters.base import pad_drafts
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.interface import DecoderStep
+from fairseq_pardec.decoding.step.native import DECIDE_SLOTS, native_kernel
 
 
 def to_device(host: Tensor, device) -> Tensor:
@@ -53,12 +55,20 @@ class Batch:
         self.cum_scores = torch.zeros(bsz, max_len + 1)
         self.n_out_host = torch.zeros(bsz, dtype=torch.long)
         # each row's last accepted token (BOS at first): the next block starts with it
-        self.last = [bos] * bsz
+        self.last = np.full(bsz, bos, dtype=np.int64)
         # the row lengths on the device (the decoder step's positions), after every commit
         self.n_out = torch.zeros(bsz, dtype=torch.long, device=device)
         self.longest = 0
-        # the cumulative score of each row's last accepted token, a numpy float32
-        self.prev_score = [np.float32(0.0)] * bsz
+        # the cumulative score of each row's last accepted token, in float32
+        self.prev_score = np.zeros(bsz, dtype=np.float32)
+        # the native decisions (native_decide.c; None: Python's walk decides) and their
+        # argument table, whose slots for the tables above ``views`` fills
+        self.decider = native_kernel()
+        self.decide_args = np.zeros(DECIDE_SLOTS, dtype=np.int64)
+        self.decide_args_at = self.decide_args.ctypes.data
+        self.decide_args[7] = generator.eos
+        # row count -> the Outcome arrays an iteration's decisions write (outcome)
+        self._outcomes = {}
         self.views()
         self.cache = step.new_state(max_len=max_len)
         self.backoff = DraftBackoff(bsz) if generator.backoff else None
@@ -79,9 +89,8 @@ class Batch:
         alive_host = torch.tensor(alive, dtype=torch.long)
         self.n_out_host = self.n_out_host[alive_host]
         self.tokens, self.cum_scores = self.tokens[alive_host], self.cum_scores[alive_host]
+        self.prev_score, self.last = self.prev_score[alive], self.last[alive]
         self.views()
-        self.prev_score = [self.prev_score[i] for i in alive]
-        self.last = [self.last[i] for i in alive]
         self.rows_host = [self.rows_host[i] for i in alive]
         self.longest = int(self.n_out_host.max()) if alive else 0
         if self.prefix_host is not None:
@@ -101,9 +110,22 @@ class Batch:
         return None if self.exact_so_far else self.guard
 
     def views(self):
-        """numpy views of the host tables, which the commit writes through."""
+        """numpy views of the host tables, which the decisions write through, and their
+        addresses in the native decisions' argument table (native_decide.c's slots)."""
         self.tokens_np, self.scores_np = self.tokens.numpy(), self.cum_scores.numpy()
         self.n_out_np = self.n_out_host.numpy()
+        self.decide_args[8:15] = (
+            self.prev_score.ctypes.data, self.n_out_np.ctypes.data, self.last.ctypes.data,
+            self.tokens_np.ctypes.data, self.tokens_np.shape[1], self.scores_np.ctypes.data,
+            self.scores_np.shape[1])
+
+    def outcome(self) -> Outcome:
+        """The arrays an iteration's decisions write, kept per row count."""
+        rows = self.n_out_np.size
+        outcome = self._outcomes.get(rows)
+        if outcome is None:
+            outcome = self._outcomes[rows] = Outcome(rows)
+        return outcome
 
     def forcing_prefix(self) -> Optional[Tensor]:
         """The forced prefixes while some row's next step lies inside them (known on the
@@ -189,9 +211,9 @@ class Batch:
 class Block:
     """One iteration's block: per row, [last accepted token, draft], padded to one width.
 
-    Built on the host from the drafts as lists (``drafts``, ``lengths``, and ``pos``: per row
-    and block position its packed row, -1 at padding); the decoder step reads ``tokens`` and
-    ``layout`` on the device. The drafts as device tensors, which speculative sampling and the
+    Built on the host from the drafts as lists (``drafts``, ``lengths``; as arrays for the
+    native decisions, with ``pos``: per row and block position its packed row, -1 at padding:
+    ``host_arrays``); the decoder step reads ``tokens`` and ``layout`` on the device. The drafts as device tensors, which speculative sampling and the
     relaxed acceptance rules read, are made when first read (``__getattr__``).
     """
 
@@ -204,7 +226,7 @@ class Block:
     def last_tokens(cls, batch: Batch, pad: int, proposed: bool = True) -> "Block":
         """The block without drafts, each row's last accepted token (a greedy step), built in a
         few operations: what depends on the row count alone is kept per row count."""
-        rows = batch.n_out_host.numel()
+        rows = batch.n_out_np.size
         template = batch.plain_blocks.get(rows)
         if template is None:
             template = batch.plain_blocks[rows] = cls.__new__(cls)
@@ -214,11 +236,13 @@ class Block:
             template.pad = torch.zeros(rows, 1, dtype=torch.bool, device=batch.device)
             template.layout = BlockLayout(template.pad, dense=True)
             template.drafts, template.lengths = [[]] * rows, [0] * rows
-            template.pos = [[r] for r in range(rows)]
+            template.host_arrays(np.arange(rows, dtype=np.int64).reshape(rows, 1),
+                                 np.zeros((rows, 0), dtype=np.int64),
+                                 np.zeros(rows, dtype=np.int64))
         block = cls.__new__(cls)
         block.__dict__.update(template.__dict__)
-        block.tokens = torch.from_numpy(np.array(batch.last, dtype=np.int64).reshape(rows, 1)).to(
-            batch.device, non_blocking=True)
+        block.tokens = torch.from_numpy(batch.last.reshape(rows, 1)).to(
+            batch.device, non_blocking=True, copy=True)
         block.proposed = proposed
         return block
 
@@ -231,27 +255,36 @@ class Block:
         rows, lengths = len(drafts), [len(d) for d in drafts]
         width = max(lengths)
         block.rows, block.width, block.drafts, block.lengths = rows, width, drafts, lengths
-        block.tokens = torch.tensor([[last] + d + [pad] * (width - len(d))
-                                     for last, d in zip(batch.last, drafts)]).to(
-                                         batch.device, non_blocking=True)
+        grid = np.full((rows, width + 1), pad, dtype=np.int64)
+        grid[:, 0] = batch.last
+        for r, draft in enumerate(drafts):
+            grid[r, 1: 1 + len(draft)] = draft
+        block.tokens = torch.from_numpy(grid).to(batch.device, non_blocking=True, copy=True)
         block.cols = torch.arange(width + 1, device=batch.device)
+        length_array = np.array(lengths, dtype=np.int64)
         if min(lengths) == width:
             block.pad = torch.zeros(rows, width + 1, dtype=torch.bool, device=batch.device)
             block.layout = BlockLayout(block.pad, dense=True)
-            block.pos = [[j * rows + r for j in range(width + 1)] for r in range(rows)]
+            pos = np.ascontiguousarray(
+                np.arange((width + 1) * rows, dtype=np.int64).reshape(width + 1, rows).T)
         else:  # real positions packed time-major: position j of every row, then j + 1
-            pos = [[-1] * (width + 1) for _ in range(rows)]
-            index = []
-            for j in range(width + 1):
-                for r in range(rows):
-                    if j <= lengths[r]:
-                        pos[r][j] = len(index)
-                        index.append(j * rows + r)
-            block.pad = to_device(torch.tensor([[j > n for j in range(width + 1)]
-                                                for n in lengths]), batch.device)
+            real = np.arange(width + 1) <= length_array[:, None]  # (rows, width + 1)
+            order = real.T.reshape(-1)  # time-major
+            index = np.flatnonzero(order)
+            packed = np.full(order.size, -1, dtype=np.int64)
+            packed[index] = np.arange(index.size)
+            pos = np.ascontiguousarray(packed.reshape(width + 1, rows).T)
+            block.pad = to_device(torch.from_numpy(~real), batch.device)
             block.layout = BlockLayout.from_host(block.pad, index, pos)
-            block.pos = pos
+        block.host_arrays(pos, grid[:, 1:].copy(), length_array)
         return block
+
+    def host_arrays(self, pos: np.ndarray, drafts: np.ndarray, lengths: np.ndarray):
+        """The block on the host as the native decisions read it: ``pos`` (rows, width + 1)
+        the packed position of each row's block position (-1 at padding), ``drafts`` (rows,
+        width) padded, ``lengths`` (rows,); and their addresses."""
+        self.pos, self.drafts_host, self.lengths_host = pos, drafts, lengths
+        self.addresses = (pos.ctypes.data, drafts.ctypes.data, lengths.ctypes.data)
 
     def __getattr__(self, name):
         """The drafts as device tensors (speculative sampling, relaxed acceptance)."""

@@ -15,9 +15,11 @@ then walks each row's block once, for every generator and device:
 * acceptance: a draft token equal to the verifier's is kept; a relaxed rule may keep another
   (acceptance.py); then the verifier's token, up to the first EOS.
 
-Speculative sampling decides on the device (speculative.py); :func:`sampled` reads what it
-decided, in one transfer too. Either way the result is a :class:`Decided` per row, which the
-engine commits.
+Rows whose every position is plain (no forced token, a lossless rule, no tie, a certain lead)
+are walked by the native library (step/native_decide.c), the others by :func:`walk_row`; both
+write the kept tokens and scores into the batch's host tables. Speculative sampling decides on
+the device (speculative.py); :func:`sampled` reads what it decided, in one transfer too, and
+keeps it the same way. Either way the engine gets an :class:`Outcome` of arrays.
 """
 
 from typing import List, Optional
@@ -32,27 +34,31 @@ from fairseq_pardec.decoding.fairseq_rules import beam_one
 _f32 = np.float32
 
 
-class Decided:
-    """What an iteration keeps of one row: its new tokens and their cumulative scores, how many
-    draft tokens it accepted, whether it ended (EOS), and the block position of its last kept
-    token."""
+class Outcome:
+    """What an iteration kept of each active row, as arrays the native decisions write:
+    ``gained`` tokens, ``accepted`` draft tokens among them, ``ended`` (the last is EOS),
+    ``last_pos`` the packed block position of the last; ``left`` marks the rows the native
+    walk left to Python's. One per row count, kept by the batch (:meth:`Batch.outcome`)."""
 
-    __slots__ = ("tokens", "scores", "accepted", "ended", "last_pos", "final")
-
-    def __init__(self, tokens: List[int], scores: List[float], accepted: int, ended: bool,
-                 last_pos: int, final: np.float32):
-        self.tokens, self.scores, self.accepted = tokens, scores, accepted
-        self.ended, self.last_pos = ended, last_pos
-        self.final = final  # the last score as the float32 the next additions start from
+    def __init__(self, rows: int):
+        self.gained = np.zeros(rows, dtype=np.int64)
+        self.accepted = np.zeros(rows, dtype=np.int64)
+        self.ended = np.zeros(rows, dtype=np.uint8)
+        self.last_pos = np.zeros(rows, dtype=np.int64)
+        self.left = np.zeros(rows, dtype=np.uint8)
+        # their addresses, in native_decide.c's slots GAINED .. LEFT
+        self.addresses = tuple(a.ctypes.data for a in (self.gained, self.accepted, self.ended,
+                                                       self.last_pos, self.left))
 
 
 class Reading:
-    """The host's copy of what the decisions read per packed position: ``top`` [best, second]
-    log-probabilities, ``best`` the first token holding the best, and where needed ``forced_lp``
-    (the forced prefix token's), ``draft_lp`` and ``verdict`` (the draft token judged there)."""
+    """The host's copy of what the decisions read per packed position: ``top`` (N, 2) float32
+    [best, second] log-probabilities, ``best`` (N,) int64 the first token holding the best, and
+    where needed ``forced_lp`` (the forced prefix token's), ``draft_lp`` and ``verdict`` (the
+    draft token judged there); ``addresses``: those of ``top`` and ``best``."""
 
-    def __init__(self, top, best, forced_lp=None, draft_lp=None, verdict=None):
-        self.top, self.best = top, best
+    def __init__(self, top, best, addresses, forced_lp=None, draft_lp=None, verdict=None):
+        self.top, self.best, self.addresses = top, best, addresses
         self.forced_lp, self.draft_lp, self.verdict = forced_lp, draft_lp, verdict
 
 
@@ -78,20 +84,21 @@ def read_positions(generator, batch, block, lprobs: Tensor, forced: Optional[Ten
             and lprobs.is_contiguous()):
         # on the CPU: the native kernel reads the log-probabilities where they lie
         generator.device_reads += 1
-        return Reading(*native.best_two(lprobs))
+        top, best, *addresses = native.best_two(lprobs)
+        return Reading(top, best, addresses)
     k = min(2, lprobs.size(-1))
     values, indices = lprobs.topk(k, dim=-1)
     if k < 2:  # one word: nothing runs up
         values = torch.cat([values, torch.full_like(values, -float("inf"))], 1)
     columns = torch.cat([values, indices[:, :1].to(values.dtype)]
                         + [c.to(values.dtype).unsqueeze(1) for c in extra], 1)
-    host = generator.read(columns).tolist()  # vocabulary ids are exact in float32
-    top = [row[:2] for row in host]
-    best = [int(row[2]) for row in host]
-    columns = list(zip(*host))[3:] if host else []
+    host = generator.read(columns).numpy()  # vocabulary ids are exact in float32
+    top = np.ascontiguousarray(host[:, :2], dtype=np.float32)
+    best = host[:, 2].astype(np.int64)
+    columns = [host[:, c] for c in range(3, host.shape[1])]
     forced_lp = columns.pop(0) if forced is not None else None
     draft_lp, verdict = (columns[0], columns[1]) if relaxed else (None, None)
-    return Reading(top, best, forced_lp, draft_lp, verdict)
+    return Reading(top, best, (top.ctypes.data, best.ctypes.data), forced_lp, draft_lp, verdict)
 
 
 def _forced_tokens(batch, r: int, n_out: int, length: int):
@@ -109,65 +116,102 @@ def _forced_tokens(batch, r: int, n_out: int, length: int):
 
 
 def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
-           bos_token) -> List[Decided]:
-    """Steps 3 of an iteration (engine.py) for every active row, on the host."""
-    top, best = reading.top, reading.best
-    drafts, lengths, pos = block.drafts, block.lengths, block.pos
-    n_out = batch.n_out_host.tolist()
-    margin = batch.margin
+           bos_token) -> Outcome:
+    """Step 3 of an iteration (engine.py) for every active row, on the host: each row's new
+    tokens and scores written into the batch's tables, and what it kept, returned.
+
+    The native walk (native_decide.c) decides every row whose positions are plain; Python's
+    (:func:`walk_row`) the others: a forced prefix, a relaxed acceptance rule, a tie that
+    fairseq's ``topk`` order breaks, a close call, or no native library."""
+    outcome = batch.outcome()
+    kernel = batch.decider
+    if kernel is not None and reading.forced_lp is None and reading.verdict is None:
+        args = batch.decide_args
+        args[0:7] = (*reading.addresses, block.rows, block.width, *block.addresses)
+        args[15:20] = outcome.addresses
+        margin = batch.margin
+        if not kernel.decide_rows(batch.decide_args_at, -1.0 if margin is None else margin):
+            return outcome
+        rows = np.flatnonzero(outcome.left).tolist()
+    else:
+        rows = range(block.rows)
+    top = reading.top.tolist()
+    for r in rows:
+        keep_row(batch, outcome, r, *walk_row(generator, batch, block, reading, top, lprobs,
+                                               sample, bos_token, r))
+    return outcome
+
+
+def keep_row(batch, outcome: Outcome, r: int, tokens: List[int], scores: List[float],
+             accepted: int, last_pos: int, final: np.float32):
+    """Write what row ``r`` keeps into the batch's tables and ``outcome``, as the native walk
+    writes the rows it decides."""
+    start, count = int(batch.n_out_np[r]), len(tokens)
+    batch.tokens_np[r, start + 1: start + 1 + count] = tokens
+    batch.scores_np[r, start: start + count] = scores
+    batch.prev_score[r], batch.last[r] = final, tokens[-1]
+    batch.n_out_np[r] = start + count
+    outcome.gained[r], outcome.accepted[r] = count, accepted
+    outcome.ended[r], outcome.last_pos[r] = tokens[-1] == batch.generator.eos, last_pos
+
+
+def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], lprobs: Tensor,
+             sample, bos_token, r: int):
+    """Python's walk along row ``r``'s block (``top``: ``reading.top`` as lists): its new
+    tokens, their running scores, the draft tokens accepted, the packed position of the last
+    kept token and the last score as a float32."""
+    best, margin = reading.best, batch.margin
     rule, eos = generator.acceptance, generator.eos
-    decided = []
-    for r in range(block.rows):
-        draft, length, row_pos = drafts[r], lengths[r], pos[r]
-        forced = _forced_tokens(batch, r, n_out[r], length) if reading.forced_lp else None
-        least = rule.least_accepted(length)
-        score = batch.prev_score[r]
-        tokens, scores = [], []
-        accepted = 0
-        run = True  # whether the rule accepted every draft token so far (--min-block-size)
-        for j in range(length + 1):
-            at = row_pos[j]
-            close = False
-            if forced is not None and forced[j] is not None:
-                token, lp = forced[j], reading.forced_lp[at]
-            else:
-                first, second = top[at]
-                token, lp = beam_one(lprobs, at, best[at], first, second, score)
-                close = margin is not None and not lead_is_certain(first, second, score, margin)
-                if close:
-                    # fairseq's own arithmetic decides; the row's acceptance ends here. Its score
-                    # of the decided tokens differs from the step's by at most a margin a token
-                    before = torch.cat([batch.tokens[r, 1: n_out[r] + 1],
-                                        torch.tensor(draft[:j], dtype=torch.long)])
-                    bound = abs(float(score)) + (n_out[r] + j + 1) * margin
-                    token = fairseq_decision(
-                        generator, sample["net_input"]["src_tokens"][batch.rows_host[r]],
-                        before, bos_token, score_bound=bound)
-                    lp = float(lprobs[at, token])
-                    generator.stats.close_calls += 1
-            kept = False
-            if j < length and not close:
-                # the rule's run of accepted tokens from the left, and at least ``least`` tokens
-                # whatever it says (MinimumBlock: the longer of the two)
-                run = run and (draft[j] == token or rule.host_ok(
-                    draft[j], token, reading.verdict[at] if reading.verdict else 0.0))
-                kept = run or j < least
-                if kept and draft[j] != token:
-                    token, lp = draft[j], reading.draft_lp[at]
-            score = score + _f32(lp)  # float32 + float32: rounded to float32
-            tokens.append(token)
-            scores.append(float(score))
-            accepted += kept
-            if token == eos or not kept:
-                break
-        decided.append(Decided(tokens, scores, accepted, token == eos, at, score))
-    return decided
+    draft, length, row_pos = block.drafts[r], int(block.lengths[r]), block.pos[r].tolist()
+    n_out = int(batch.n_out_np[r])
+    forced = _forced_tokens(batch, r, n_out, length) if reading.forced_lp is not None else None
+    least = rule.least_accepted(length)
+    score = batch.prev_score[r]
+    tokens, scores = [], []
+    accepted = 0
+    run = True  # whether the rule accepted every draft token so far (--min-block-size)
+    for j in range(length + 1):
+        at = row_pos[j]
+        close = False
+        if forced is not None and forced[j] is not None:
+            token, lp = forced[j], reading.forced_lp[at]
+        else:
+            first, second = top[at]
+            token, lp = beam_one(lprobs, at, int(best[at]), first, second, score)
+            close = margin is not None and not lead_is_certain(first, second, score, margin)
+            if close:
+                # fairseq's own arithmetic decides; the row's acceptance ends here. Its score
+                # of the decided tokens differs from the step's by at most a margin a token
+                before = torch.cat([batch.tokens[r, 1: n_out + 1],
+                                    torch.tensor(draft[:j], dtype=torch.long)])
+                bound = abs(float(score)) + (n_out + j + 1) * margin
+                token = fairseq_decision(
+                    generator, sample["net_input"]["src_tokens"][batch.rows_host[r]],
+                    before, bos_token, score_bound=bound)
+                lp = float(lprobs[at, token])
+                generator.stats.close_calls += 1
+        kept = False
+        if j < length and not close:
+            # the rule's run of accepted tokens from the left, and at least ``least`` tokens
+            # whatever it says (MinimumBlock: the longer of the two)
+            run = run and (draft[j] == token or rule.host_ok(
+                draft[j], token, reading.verdict[at] if reading.verdict is not None else 0.0))
+            kept = run or j < least
+            if kept and draft[j] != token:
+                token, lp = draft[j], reading.draft_lp[at]
+        score = score + _f32(lp)  # float32 + float32: rounded to float32
+        tokens.append(token)
+        scores.append(float(score))
+        accepted += kept
+        if token == eos or not kept:
+            break
+    return tokens, scores, accepted, at, score
 
 
-def sampled(generator, batch, block, lprobs: Tensor, n_acc: Tensor, grid: Tensor) -> List[Decided]:
+def sampled(generator, batch, block, lprobs: Tensor, n_acc: Tensor, grid: Tensor) -> Outcome:
     """What speculative sampling decided on the device (``n_acc`` accepted draft tokens per row,
-    ``grid`` holding the drawn token at each row's position ``n_acc``), read in one transfer,
-    as :func:`decide`'s rows."""
+    ``grid`` holding the drawn token at each row's position ``n_acc``), read in one transfer
+    and kept as :func:`decide` keeps its rows."""
     ar, layout = block.ar, block.layout
     own = grid[ar, n_acc]
     own_lp = lprobs[layout.at(ar, n_acc), own]
@@ -176,7 +220,7 @@ def sampled(generator, batch, block, lprobs: Tensor, n_acc: Tensor, grid: Tensor
     if block.width > 0:
         parts.append(lprobs[block.draft_pos, block.draft])
     host = generator.read(torch.cat(parts, 1).double()).tolist()
-    eos, decided = generator.eos, []
+    eos, outcome = generator.eos, batch.outcome()
     for r, row in enumerate(host):
         accepted, token, lp = int(row[0]), int(row[1]), row[2]
         draft = block.drafts[r][:accepted]
@@ -188,6 +232,6 @@ def sampled(generator, batch, block, lprobs: Tensor, n_acc: Tensor, grid: Tensor
         for lp in lps:
             score = score + _f32(lp)  # float32 + float32: rounded to float32
             scores.append(float(score))
-        decided.append(Decided(tokens, scores, min(accepted, int(row[0])),
-                               tokens[-1] == eos, block.pos[r][len(tokens) - 1], score))
-    return decided
+        keep_row(batch, outcome, r, tokens, scores, min(accepted, int(row[0])),
+                 int(block.pos[r][len(tokens) - 1]), score)
+    return outcome

@@ -44,6 +44,7 @@ counts as copies queued like kernels.
 
 from typing import List, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -208,12 +209,12 @@ class DraftVerifyGenerator(StatsGenerator):
             # 3. what each row keeps: decided on the host from one read of the device
             if self.sampler is not None:
                 n_acc, grid = self.sampler.decide(lprobs, forced, block)
-                decided = sampled(self, batch, block, lprobs, n_acc, grid)
+                outcome = sampled(self, batch, block, lprobs, n_acc, grid)
             else:
                 reading = read_positions(self, batch, block, lprobs, forced)
-                decided = decide(self, batch, block, reading, lprobs, sample, bos_token)
-            self._commit(batch, block, features, decided)
-            self._retire(batch, decided)
+                outcome = decide(self, batch, block, reading, lprobs, sample, bos_token)
+            self._commit(batch, block, features, outcome)
+            self._retire(batch, outcome)
         return batch.finalized
 
     def _start(self, sample, prefix_tokens, bos_token) -> Batch:
@@ -314,60 +315,52 @@ class DraftVerifyGenerator(StatsGenerator):
         batch.iteration += 1
         return features, lprobs, forced
 
-    def _commit(self, batch: Batch, block: Block, features: Tensor, decided):
-        """4. Append each row's new tokens and their scores on the host, show the drafter the
-        outcome, and roll the cache back to the kept positions."""
-        token_view, score_view, n_out = batch.tokens_np, batch.scores_np, batch.n_out_np
-        gained, longest = [], batch.longest
-        for r, (start, row) in enumerate(zip(n_out.tolist(), decided)):
-            count = len(row.tokens)
-            token_view[r, start + 1: start + 1 + count] = row.tokens
-            score_view[r, start: start + count] = row.scores
-            batch.prev_score[r], batch.last[r] = row.final, row.tokens[-1]
-            n_out[r] = start + count
-            gained.append(count)
-            longest = max(longest, start + count)
+    def _commit(self, batch: Batch, block: Block, features: Tensor, outcome):
+        """4. With each row's new tokens and scores in the host's tables (the decisions wrote
+        them), queue the lengths for the device, show the drafter the outcome, and roll the
+        cache back to the kept positions."""
         batch.n_out = to_device(batch.n_out_host, batch.device)
-        batch.longest = longest
-        if batch.backoff is not None and block.width > 0:
-            batch.backoff.update(block.lengths, [row.accepted for row in decided],
-                                 batch.iteration - 1)
+        batch.longest = int(batch.n_out_np.max())
+        if block.width == 0:  # a plain step: every row keeps its one position
+            fewest = most = 1
+        else:
+            gained = outcome.gained
+            fewest, most = int(gained.min()), int(gained.max())
+            if batch.backoff is not None:
+                batch.backoff.update(block.lengths, outcome.accepted.tolist(),
+                                     batch.iteration - 1)
         if block.proposed and type(self.drafter).observe is not Drafter.observe:
-            self._observe(batch, features, decided, gained)
-        fewest, most = min(gained), max(gained)
+            self._observe(batch, features, outcome)
         if fewest == most:  # every row keeps as many entries: one tensor per count, kept
             kept = batch.uniform_gains(most)
         else:
-            kept = to_device(torch.tensor(gained), batch.device)
+            kept = to_device(torch.from_numpy(outcome.gained), batch.device)
         batch.step.rollback(batch.cache, block.width + 1, kept, keep_range=(fewest, most))
 
-    def _observe(self, batch: Batch, features: Tensor, decided, gained: List[int]):
+    def _observe(self, batch: Batch, features: Tensor, outcome):
         """Show the drafter each row's block position of its last kept token, and where it
         reads them, the verifier's features there and that token (blockwise decoding's
         proposal heads: merged invocation)."""
         drafter, device = self.drafter, batch.device
-        last = torch.tensor([count - 1 for count in gained])
+        last = torch.from_numpy(outcome.gained - 1)
         last_features = last_tokens = None
         if drafter.observes_features:
-            at = to_device(torch.tensor([row.last_pos for row in decided]), device)
+            at = to_device(torch.from_numpy(outcome.last_pos), device)
             last_features = features.index_select(0, at)
-            last_tokens = to_device(torch.tensor([row.tokens[-1] for row in decided]), device)
+            last_tokens = to_device(torch.from_numpy(batch.last), device)
         rows = torch.tensor(batch.rows_host)
         if drafter.on_device:
             rows, last = batch.rows, to_device(last, device)
         with batch.drafter_timer:
             drafter.observe(rows, last_features, last, last_tokens)
 
-    def _retire(self, batch: Batch, decided):
+    def _retire(self, batch: Batch, outcome):
         """5. Finalize the rows that emitted EOS and drop them."""
-        if any(row.ended for row in decided):
-            alive = []
-            for r, row in enumerate(decided):
-                if row.ended:
-                    batch.finalized[batch.rows_host[r]] = [batch.hypothesis(r)]
-                else:
-                    alive.append(r)
-            batch.keep(alive)
+        ended = outcome.ended
+        if ended.any():
+            for r in np.flatnonzero(ended).tolist():
+                batch.finalized[batch.rows_host[r]] = [batch.hypothesis(r)]
+            batch.keep(np.flatnonzero(ended == 0).tolist())
         batch.step.compact(batch.cache, self.compact_holes)
 
 

@@ -10,6 +10,7 @@ back onto the (L, B) grid.
 
 from typing import List, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,19 +42,20 @@ class BlockLayout:
             self.pos = pos.view(self.length, self.batch).t()
 
     @classmethod
-    def from_host(cls, block_pad: Tensor, index: List[int], pos: List[List[int]]) -> "BlockLayout":
-        """The layout of a ragged block whose packing the caller computed in Python
-        (``index``: the grid position of each packed row; ``pos``: per row and block position
-        its packed row, -1 at padding)."""
+    def from_host(cls, block_pad: Tensor, index: np.ndarray, pos: np.ndarray) -> "BlockLayout":
+        """The layout of a ragged block whose packing the caller computed on the host
+        (``index``: (N,) int64, the grid position of each packed row; ``pos``: (B, L) int64,
+        per row and block position its packed row, -1 at padding)."""
         layout = cls.__new__(cls)
         layout.batch, layout.length = block_pad.shape
         layout.dense = False
         layout.block_pad = block_pad
-        # fresh tensors, so the copies to the device are queued without waiting for it
+        # copies, so those to the device are queued without waiting for it while the host's
+        # arrays may change
         device = block_pad.device
-        layout.index = torch.tensor(index, dtype=torch.long).to(device, non_blocking=True)
+        layout.index = torch.from_numpy(index).to(device, non_blocking=True, copy=True)
         layout.size = len(index)
-        layout.pos = torch.tensor(pos, dtype=torch.long).to(device, non_blocking=True)
+        layout.pos = torch.from_numpy(pos).to(device, non_blocking=True, copy=True)
         return layout
 
     def pack_time_major(self, t: Tensor) -> Tensor:

@@ -67,6 +67,8 @@ OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 # per-layer cache pointers; their sizes, as the library reports them
 LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE = 16, 18, 4
 LAYERS_ABI = LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
+# the slots of pardec_decide_rows's argument table (native_decide.c)
+DECIDE_SLOTS = 20
 
 _kernel = None
 _reason: Optional[str] = None
@@ -102,6 +104,13 @@ class NativeKernel:
         self._best_two.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self._buffers = threading.local()  # best_two's outputs, per thread
+        # an iteration's decisions on the host (native_decide.c, draft_verify/decisions.py)
+        self.decide_rows = library.pardec_decide_rows
+        self.decide_rows.restype = ctypes.c_int64
+        self.decide_rows.argtypes = [ctypes.c_void_p, ctypes.c_double]
+        library.pardec_decide_slots.restype = ctypes.c_int
+        if library.pardec_decide_slots() != DECIDE_SLOTS:
+            raise RuntimeError("native_decide.c and native.py disagree on the argument table")
         self.embed_block = library.pardec_embed_block
         self.embed_block.restype = ctypes.c_int
         self.embed_block.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
@@ -135,11 +144,13 @@ class NativeKernel:
         return out
 
 
-    def best_two(self, scores: Tensor) -> Tuple[List[List[float]], List[int]]:
-        """(N, V) contiguous float32, V >= 2 -> ([top, second] the two largest values of each
-        row, the first column holding the largest), as lists (the engine reads them on the
-        host). The output buffers are kept per row count and thread: at batch 1 the engine's
-        Python around a step is as long as the step's arithmetic."""
+    def best_two(self, scores: Tensor) -> Tuple[np.ndarray, np.ndarray, int, int]:
+        """(N, V) contiguous float32, V >= 2 -> ``values`` (N, 2) float32, the two largest
+        values of each row, ``best`` (N,) int64, the first column holding the largest, and the
+        addresses of the two arrays (the engine decides from them on the host:
+        native_decide.c). The arrays are kept per row count and thread, and overwritten by the
+        next call: at batch 1 the engine's Python around a step is as long as the step's
+        arithmetic."""
         rows, width = scores.shape
         buffers = getattr(self._buffers, "best_two", None)
         if buffers is None:
@@ -149,10 +160,8 @@ class NativeKernel:
             values = np.empty((rows, 2), dtype=np.float32)
             best = np.empty(rows, dtype=np.int64)
             out = buffers[rows] = (values, best, values.ctypes.data, best.ctypes.data)
-        values, best, values_at, best_at = out
-        self._best_two(scores.data_ptr(), rows, width, values_at, best_at,
-                       torch.get_num_threads())
-        return values.tolist(), best.tolist()
+        self._best_two(scores.data_ptr(), rows, width, out[2], out[3], torch.get_num_threads())
+        return out
 
 
 def openmp_runtimes() -> List[str]:
@@ -344,9 +353,9 @@ def _check(kernel: NativeKernel):
         if not torch.allclose(got, want, atol=1e-4, rtol=1e-5):
             raise RuntimeError("the built kernel miscomputes a test product")
     want = torch.log_softmax(torch.randn(3, 1000, generator=g) * 10, dim=-1)
-    values, best = kernel.best_two(want)
+    values, best = kernel.best_two(want)[:2]
     top = want.topk(2, dim=-1)
-    if not (values == top.values.tolist() and best == top.indices[:, 0].tolist()):
+    if not (values.tolist() == top.values.tolist() and best.tolist() == top.indices[:, 0].tolist()):
         raise RuntimeError("the built kernel miscomputes a test top two")
 
 

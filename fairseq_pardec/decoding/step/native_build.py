@@ -12,7 +12,7 @@ from typing import List, Sequence, Tuple
 HERE = Path(__file__).resolve().parent
 
 # compiled once for the whole library
-COMMON_SOURCES = ("native_parallel.c", "native_dispatch.c")
+COMMON_SOURCES = ("native_parallel.c", "native_dispatch.c", "native_decide.c")
 # compiled once per variant (instruction set), their names suffixed with it (native_kernels.h)
 KERNEL_SOURCES = ("native_linear.c", "native_layers.c", "native_scores.c")
 HEADERS = ("native_kernels.h",)

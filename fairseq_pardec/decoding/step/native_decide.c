@@ -1,0 +1,110 @@
+/* An iteration's decisions on the host, row by row, for the engine (draft_verify/decisions.py).
+ *
+ * The engine reads per verified position the best token after fairseq's edits, its
+ * log-probability and the runner-up's. For a row whose every position is plain (no forced prefix
+ * token, a lossless acceptance rule) the decision is a walk along its block: the verifier's token
+ * at each position, kept while it equals the draft, up to the first EOS; the float32 running
+ * score after every token; the tokens and scores written into the host's tables. Python's per-row
+ * walk (decisions.py) made the same decisions at 1-2 us a position plus a few per row; here a
+ * row costs nanoseconds.
+ *
+ * A row where the verifier's choice needs more than the two values is left to that walk
+ * untouched (its length, score and last token unchanged): where adding the hypothesis score ties
+ * the best two (fairseq's topk order decides: fairseq_rules.beam_one), and where the margin guard
+ * finds the lead not certain (draft_verify/margin_guard.py, lead_is_certain: the same formula, in
+ * double precision as Python computes it).
+ *
+ * Scalar code, compiled once for every CPU: it runs after the read on the CPU and on CUDA alike.
+ */
+
+#include <math.h>
+#include <stdint.h>
+
+/* float32's unit roundoff, doubled (margin_guard._ADD_ROUNDING). A power of two: its product
+ * is exact, so a fused multiply-add rounds the guard's bound as Python's two operations do. */
+#define ADD_ROUNDING 0x1p-23
+
+/* The argument table's slots (decisions.py, NativeDecisions fills it). Pointers as int64. */
+enum {
+    TOP,         /* (N, 2) float32: best and second log-probability per packed position */
+    BEST,        /* (N,) int64: the first token holding the best */
+    ROWS,        /* active rows */
+    WIDTH,       /* draft width of the block: positions per row are WIDTH + 1 */
+    POS,         /* (ROWS, WIDTH + 1) int64: packed position of each row's block position */
+    DRAFTS,      /* (ROWS, WIDTH) int64: the drafts, padded */
+    LENGTHS,     /* (ROWS,) int64: each row's draft length */
+    EOS,         /* the end-of-sentence token */
+    PREV_SCORE,  /* (ROWS,) float32 in/out: the running score of each row's last token */
+    N_OUT,       /* (ROWS,) int64 in/out: tokens accepted so far */
+    LAST,        /* (ROWS,) int64 in/out: each row's last accepted token */
+    TOKENS,      /* (ROWS, TOKENS_STRIDE) int64: BOS, then the accepted tokens */
+    TOKENS_STRIDE,
+    SCORES,      /* (ROWS, SCORES_STRIDE) float32: the running scores */
+    SCORES_STRIDE,
+    GAINED,      /* (ROWS,) int64 out: tokens the row keeps in this iteration */
+    ACCEPTED,    /* (ROWS,) int64 out: draft tokens among them */
+    ENDED,       /* (ROWS,) uint8 out: whether the last is EOS */
+    LAST_POS,    /* (ROWS,) int64 out: the packed position of the last kept token */
+    LEFT,        /* (ROWS,) uint8 out: 1 where the row is left to the caller */
+    SLOTS
+};
+
+#define AT(type, slot) ((type *)(intptr_t)args[slot])
+
+static int lead_is_certain(float first, float second, float score, double margin) {
+    return (double)first - (double)second >
+           2 * margin + ADD_ROUNDING * (fabs((double)score) + fabs((double)first));
+}
+
+int pardec_decide_slots(void) { return SLOTS; }
+
+/* Decide every row it can (see above); ``margin`` < 0: no guard. Returns the rows left. */
+int64_t pardec_decide_rows(const int64_t *args, double margin) {
+    const float *top = AT(const float, TOP);
+    const int64_t *best = AT(const int64_t, BEST);
+    const int64_t rows = args[ROWS], width = args[WIDTH], eos = args[EOS];
+    const int64_t tokens_stride = args[TOKENS_STRIDE], scores_stride = args[SCORES_STRIDE];
+    const int guard = margin >= 0;
+    int64_t left_rows = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t *pos = AT(const int64_t, POS) + r * (width + 1);
+        const int64_t *draft = AT(const int64_t, DRAFTS) + r * width;
+        const int64_t length = AT(const int64_t, LENGTHS)[r];
+        const int64_t start = AT(int64_t, N_OUT)[r];
+        int64_t *tokens = AT(int64_t, TOKENS) + r * tokens_stride + start + 1;
+        float *scores = AT(float, SCORES) + r * scores_stride + start;
+        float score = AT(float, PREV_SCORE)[r];
+        int64_t j = 0, at = 0, token = 0, accepted = 0;
+        int left = 0;
+        for (;; j++) {
+            at = pos[j];
+            const float first = top[2 * at], second = top[2 * at + 1];
+            /* float + float: rounded to float32, as fairseq's running score is */
+            const float ahead = first + score, behind = second + score;
+            if (!(ahead > behind) || (guard && !lead_is_certain(first, second, score, margin))) {
+                left = 1;
+                break;
+            }
+            token = best[at];
+            const int kept = j < length && draft[j] == token;
+            score = ahead;
+            tokens[j] = token;
+            scores[j] = score;
+            accepted += kept;
+            if (token == eos || !kept) break;
+        }
+        AT(uint8_t, LEFT)[r] = (uint8_t)left;
+        if (left) {
+            left_rows++;
+            continue;
+        }
+        AT(int64_t, GAINED)[r] = j + 1;
+        AT(int64_t, ACCEPTED)[r] = accepted;
+        AT(uint8_t, ENDED)[r] = token == eos;
+        AT(int64_t, LAST_POS)[r] = at;
+        AT(float, PREV_SCORE)[r] = score;
+        AT(int64_t, LAST)[r] = token;
+        AT(int64_t, N_OUT)[r] = start + j + 1;
+    }
+    return left_rows;
+}
