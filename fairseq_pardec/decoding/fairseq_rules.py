@@ -62,7 +62,7 @@ class SearchRules(NamedTuple):
 
 def block_edits(lprobs: Tensor, steps: Callable[[], Tensor], layout, rules: SearchRules,
                 max_len: int, prefix: Optional[Tensor], bar_eos_possible: bool,
-                at_max_possible: bool = True) -> Optional[Tensor]:
+                at_max_possible: bool = True, token_edits: bool = True) -> Optional[Tensor]:
     """fairseq SequenceGenerator's per-step edits of log-probabilities, for a verified block.
 
     Args:
@@ -73,10 +73,14 @@ def block_edits(lprobs: Tensor, steps: Callable[[], Tensor], layout, rules: Sear
         bar_eos_possible: False when every row is past --min-len (skips that edit).
         at_max_possible: False when no block position reaches ``max_len`` (known on the host:
             skips that edit).
+        token_edits: False where the caller makes :func:`token_rules`' edits itself, later
+            (the native read of the best two makes them in its pass over the rows: they
+            commute with the edits here).
     Returns the (N,) forced tokens (-1 where nothing is forced), or None if none are.
     """
     pad, eos = rules.pad, rules.eos
-    token_rules(lprobs, pad, rules.unk, rules.unk_penalty)
+    if token_edits:
+        token_rules(lprobs, pad, rules.unk, rules.unk_penalty)
     if not (at_max_possible or bar_eos_possible or (prefix is not None and prefix.size(1))):
         return None
     steps = steps()

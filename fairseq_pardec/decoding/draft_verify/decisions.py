@@ -62,9 +62,17 @@ class Reading:
         self.forced_lp, self.draft_lp, self.verdict = forced_lp, draft_lp, verdict
 
 
-def read_positions(generator, batch, block, lprobs: Tensor, forced: Optional[Tensor]) -> Reading:
+def read_positions(generator, batch, block, lprobs: Tensor, forced: Optional[Tensor],
+                   native=None) -> Reading:
     """The one read of an iteration: per packed position of ``lprobs`` (N, V) what
-    :func:`decide` needs, in one transfer to the host."""
+    :func:`decide` needs, in one transfer to the host. ``native``: on the CPU, the native
+    kernel (its best two), which makes fairseq's token edits first (``block_edits`` left them
+    to it); None: ``lprobs`` is edited, and read with ``topk``."""
+    if native is not None:
+        # no forced token, no relaxed rule: the best two are all (engine.py chose this)
+        generator.device_reads += 1
+        top, best, *addresses = native.best_two(lprobs, generator.rules)
+        return Reading(top, best, addresses)
     extra = []
     if forced is not None:
         extra.append(lprobs.gather(1, forced.clamp(min=0).unsqueeze(1)).squeeze(1))
@@ -79,13 +87,6 @@ def read_positions(generator, batch, block, lprobs: Tensor, forced: Optional[Ten
         grid = torch.stack([draft_lp, verdicts.to(draft_lp.dtype)], -1)
         grid = torch.cat([grid, grid.new_zeros(block.rows, 1, 2)], 1)
         extra.extend(block.layout.pack(grid).unbind(1))
-    native = batch.step.scores_kernel()
-    if (native is not None and not extra and lprobs.dtype == torch.float32
-            and lprobs.is_contiguous()):
-        # on the CPU: the native kernel reads the log-probabilities where they lie
-        generator.device_reads += 1
-        top, best, *addresses = native.best_two(lprobs)
-        return Reading(top, best, addresses)
     k = min(2, lprobs.size(-1))
     values, indices = lprobs.topk(k, dim=-1)
     if k < 2:  # one word: nothing runs up

@@ -205,13 +205,13 @@ class DraftVerifyGenerator(StatsGenerator):
         batch = self._start(sample, prefix_tokens, bos_token)
         while batch.rows_host:
             block = self._draft(batch)
-            features, lprobs, forced = self._verify(batch, block)
+            features, lprobs, forced, native = self._verify(batch, block)
             # 3. what each row keeps: decided on the host from one read of the device
             if self.sampler is not None:
                 n_acc, grid = self.sampler.decide(lprobs, forced, block)
                 outcome = sampled(self, batch, block, lprobs, n_acc, grid)
             else:
-                reading = read_positions(self, batch, block, lprobs, forced)
+                reading = read_positions(self, batch, block, lprobs, forced, native)
                 outcome = decide(self, batch, block, reading, lprobs, sample, bos_token)
             self._commit(batch, block, features, outcome)
             self._retire(batch, outcome)
@@ -292,7 +292,8 @@ class DraftVerifyGenerator(StatsGenerator):
     def _verify(self, batch: Batch, block: Block):
         """2. One decoder call over every row's [last accepted token, draft]; the position-wise
         work runs on the block's real positions only. Returns the features, the (N, V) packed
-        log-probabilities after fairseq's per-step edits, and the forced tokens (or None)."""
+        log-probabilities after fairseq's per-step edits, the forced tokens (or None), and the
+        native kernel whose read makes the token edits (or None: they are made)."""
         with batch.verifier_timer:
             step = batch.step
             encoder_out = batch.encoder_out if step.reads_encoder_out(batch.cache) else None
@@ -308,12 +309,21 @@ class DraftVerifyGenerator(StatsGenerator):
         self.stats.positions_verified += lprobs.size(0)
         # the longest row's last block position is the furthest step: no read of the device
         furthest = batch.longest + block.width
+        prefix = batch.forcing_prefix()
+        # on the CPU the native read of the best two makes fairseq's token edits in its pass
+        # (decisions.read_positions), where nothing else reads the log-probabilities first
+        native = None
+        if (self.sampler is None and prefix is None and lprobs.dtype == torch.float32
+                and lprobs.is_contiguous()
+                and (self.acceptance.lossless or block.width == 0)):
+            native = step.scores_kernel()
         forced = block_edits(lprobs, lambda: batch.n_out.unsqueeze(1) + block.cols,
-                             block.layout, self.rules, batch.max_len, batch.forcing_prefix(),
+                             block.layout, self.rules, batch.max_len, prefix,
                              bar_eos_possible=batch.iteration < self.min_len,
-                             at_max_possible=furthest >= batch.max_len)
+                             at_max_possible=furthest >= batch.max_len,
+                             token_edits=native is None)
         batch.iteration += 1
-        return features, lprobs, forced
+        return features, lprobs, forced, native
 
     def _commit(self, batch: Batch, block: Block, features: Tensor, outcome):
         """4. With each row's new tokens and scores in the host's tables (the decisions wrote

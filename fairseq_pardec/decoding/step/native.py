@@ -102,7 +102,8 @@ class NativeKernel:
         self._best_two = library.pardec_best_two
         self._best_two.restype = None
         self._best_two.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_float, ctypes.c_int]
         self._buffers = threading.local()  # best_two's outputs, per thread
         # an iteration's decisions on the host (native_decide.c, draft_verify/decisions.py)
         self.decide_rows = library.pardec_decide_rows
@@ -144,12 +145,14 @@ class NativeKernel:
         return out
 
 
-    def best_two(self, scores: Tensor) -> Tuple[np.ndarray, np.ndarray, int, int]:
+    def best_two(self, scores: Tensor, rules=None) -> Tuple[np.ndarray, np.ndarray, int, int]:
         """(N, V) contiguous float32, V >= 2 -> ``values`` (N, 2) float32, the two largest
         values of each row, ``best`` (N,) int64, the first column holding the largest, and the
         addresses of the two arrays (the engine decides from them on the host:
-        native_decide.c). The arrays are kept per row count and thread, and overwritten by the
-        next call: at batch 1 the engine's Python around a step is as long as the step's
+        native_decide.c). ``rules``: None, or fairseq's search rules
+        (fairseq_rules.SearchRules), whose first edits (``token_rules``) are made in ``scores``
+        first, in the same pass. The arrays are kept per row count and thread, and overwritten
+        by the next call: at batch 1 the engine's Python around a step is as long as the step's
         arithmetic."""
         rows, width = scores.shape
         buffers = getattr(self._buffers, "best_two", None)
@@ -160,8 +163,21 @@ class NativeKernel:
             values = np.empty((rows, 2), dtype=np.float32)
             best = np.empty(rows, dtype=np.int64)
             out = buffers[rows] = (values, best, values.ctypes.data, best.ctypes.data)
-        self._best_two(scores.data_ptr(), rows, width, out[2], out[3], torch.get_num_threads())
+        symbols, penalty = None, 0.0
+        if rules is not None:
+            symbols, penalty = self._rule_symbols(rules), rules.unk_penalty
+        self._best_two(scores.data_ptr(), rows, width, out[2], out[3], symbols, penalty,
+                       torch.get_num_threads())
         return out
+
+    def _rule_symbols(self, rules) -> int:
+        """The address of {pad, unk} for ``rules``, kept per (pad, unk)."""
+        key = (rules.pad, rules.unk)
+        kept = getattr(self._buffers, "rule_symbols", None)
+        if kept is None or kept[0] != key:
+            array = np.array(key, dtype=np.int64)
+            kept = self._buffers.rule_symbols = (key, array, array.ctypes.data)
+        return kept[2]
 
 
 def openmp_runtimes() -> List[str]:

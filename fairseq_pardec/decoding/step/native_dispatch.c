@@ -28,7 +28,8 @@ typedef void (*layers_fn)(const int64_t *, const int64_t *, const double *, cons
 typedef int (*embed_fn)(const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t,
                         int64_t, int64_t, float, const float *, int64_t, const float *, int64_t,
                         int64_t, float *);
-typedef void (*best_two_fn)(const float *, int64_t, int64_t, float *, int64_t *, int);
+typedef void (*best_two_fn)(float *, int64_t, int64_t, float *, int64_t *, const int64_t *,
+                            float, int);
 typedef int (*count_fn)(void);
 
 struct variant {
@@ -77,7 +78,8 @@ enum { LEVEL_x86_64 = 1, LEVEL_x86_64_v3 = 3, LEVEL_x86_64_v4 = 4, LEVEL_native 
     int pardec_embed_block_##isa(const int64_t *, const int64_t *, const int64_t *, int64_t,  \
                                  int64_t, int64_t, int64_t, float, const float *, int64_t,    \
                                  const float *, int64_t, int64_t, float *);                   \
-    void pardec_best_two_##isa(const float *, int64_t, int64_t, float *, int64_t *, int);     \
+    void pardec_best_two_##isa(float *, int64_t, int64_t, float *, int64_t *, const int64_t *, \
+                               float, int);                                                    \
     int pardec_panel_width_##isa(void);                                                        \
     int pardec_layers_abi_##isa(void);
 PARDEC_VARIANTS
@@ -137,9 +139,9 @@ int pardec_embed_block(const int64_t *tokens, const int64_t *start, const int64_
                         vocabulary, positions, position_rows, model, x);
 }
 
-void pardec_best_two(const float *x, int64_t rows, int64_t cols, float *values, int64_t *best,
-                     int threads) {
-    bound->best_two(x, rows, cols, values, best, threads);
+void pardec_best_two(float *x, int64_t rows, int64_t cols, float *values, int64_t *best,
+                     const int64_t *rules, float unk_penalty, int threads) {
+    bound->best_two(x, rows, cols, values, best, rules, unk_penalty, threads);
 }
 
 int pardec_panel_width(void) { return bound->panel_width(); }
