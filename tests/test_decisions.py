@@ -164,7 +164,8 @@ def test_native_walk_decides_as_python(seed):
         outcome = decide(generator, batch, block, reading, lprobs, None, None)
         kept.append([batch.tokens_np.copy(), batch.scores_np.copy(), batch.n_out_np.copy(),
                      batch.prev_score.copy(), batch.last.copy(), outcome.gained.copy(),
-                     outcome.accepted.copy(), outcome.ended.copy(), outcome.last_pos.copy()])
+                     outcome.accepted.copy(), outcome.ended.copy(), outcome.last_pos.copy(),
+                     np.array(batch.longest)])
         if native:
             left = outcome.left.copy()
     assert 0 < left.sum() < rows  # both walks ran

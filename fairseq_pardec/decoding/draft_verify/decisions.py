@@ -130,8 +130,11 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
         args = batch.decide_args
         args[0:7] = (*reading.addresses, block.rows, block.width, *block.addresses)
         args[15:20] = outcome.addresses
+        args[20] = batch.longest
         margin = batch.margin
-        if not kernel.decide_rows(batch.decide_args_at, -1.0 if margin is None else margin):
+        left = kernel.decide_rows(batch.decide_args_at, -1.0 if margin is None else margin)
+        batch.longest = int(args[20])
+        if not left:
             return outcome
         rows = np.flatnonzero(outcome.left).tolist()
     else:
@@ -145,13 +148,14 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
 
 def keep_row(batch, outcome: Outcome, r: int, tokens: List[int], scores: List[float],
              accepted: int, last_pos: int, final: np.float32):
-    """Write what row ``r`` keeps into the batch's tables and ``outcome``, as the native walk
-    writes the rows it decides."""
+    """Write what row ``r`` keeps into the batch's tables and ``outcome`` (and the batch's
+    longest row), as the native walk writes the rows it decides."""
     start, count = int(batch.n_out_np[r]), len(tokens)
     batch.tokens_np[r, start + 1: start + 1 + count] = tokens
     batch.scores_np[r, start: start + count] = scores
     batch.prev_score[r], batch.last[r] = final, tokens[-1]
     batch.n_out_np[r] = start + count
+    batch.longest = max(batch.longest, start + count)
     outcome.gained[r], outcome.accepted[r] = count, accepted
     outcome.ended[r], outcome.last_pos[r] = tokens[-1] == batch.generator.eos, last_pos
 

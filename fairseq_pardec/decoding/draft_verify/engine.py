@@ -317,20 +317,22 @@ class DraftVerifyGenerator(StatsGenerator):
                 and lprobs.is_contiguous()
                 and (self.acceptance.lossless or block.width == 0)):
             native = step.scores_kernel()
-        forced = block_edits(lprobs, lambda: batch.n_out.unsqueeze(1) + block.cols,
-                             block.layout, self.rules, batch.max_len, prefix,
-                             bar_eos_possible=batch.iteration < self.min_len,
-                             at_max_possible=furthest >= batch.max_len,
-                             token_edits=native is None)
+        bar_eos_possible = batch.iteration < self.min_len
+        at_max_possible = furthest >= batch.max_len
+        forced = None
+        if native is None or bar_eos_possible or at_max_possible:  # else nothing to edit here
+            forced = block_edits(lprobs, lambda: batch.n_out.unsqueeze(1) + block.cols,
+                                 block.layout, self.rules, batch.max_len, prefix,
+                                 bar_eos_possible=bar_eos_possible,
+                                 at_max_possible=at_max_possible, token_edits=native is None)
         batch.iteration += 1
         return features, lprobs, forced, native
 
     def _commit(self, batch: Batch, block: Block, features: Tensor, outcome):
-        """4. With each row's new tokens and scores in the host's tables (the decisions wrote
-        them), queue the lengths for the device, show the drafter the outcome, and roll the
+        """4. With each row's new tokens and scores in the host's tables and its length (the
+        decisions wrote them), queue the lengths for the device, show the drafter the outcome, and roll the
         cache back to the kept positions."""
         batch.n_out = to_device(batch.n_out_host, batch.device)
-        batch.longest = int(batch.n_out_np.max())
         if block.width == 0:  # a plain step: every row keeps its one position
             fewest = most = 1
         else:

@@ -68,7 +68,7 @@ OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE = 16, 18, 4
 LAYERS_ABI = LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
 # the slots of pardec_decide_rows's argument table (native_decide.c)
-DECIDE_SLOTS = 20
+DECIDE_SLOTS = 21
 
 _kernel = None
 _reason: Optional[str] = None

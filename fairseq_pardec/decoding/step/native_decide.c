@@ -46,6 +46,7 @@ enum {
     ENDED,       /* (ROWS,) uint8 out: whether the last is EOS */
     LAST_POS,    /* (ROWS,) int64 out: the packed position of the last kept token */
     LEFT,        /* (ROWS,) uint8 out: 1 where the row is left to the caller */
+    LONGEST,     /* in/out: the most tokens any row has accepted (rows decided here) */
     SLOTS
 };
 
@@ -59,13 +60,13 @@ static int lead_is_certain(float first, float second, float score, double margin
 int pardec_decide_slots(void) { return SLOTS; }
 
 /* Decide every row it can (see above); ``margin`` < 0: no guard. Returns the rows left. */
-int64_t pardec_decide_rows(const int64_t *args, double margin) {
+int64_t pardec_decide_rows(int64_t *args, double margin) {
     const float *top = AT(const float, TOP);
     const int64_t *best = AT(const int64_t, BEST);
     const int64_t rows = args[ROWS], width = args[WIDTH], eos = args[EOS];
     const int64_t tokens_stride = args[TOKENS_STRIDE], scores_stride = args[SCORES_STRIDE];
     const int guard = margin >= 0;
-    int64_t left_rows = 0;
+    int64_t left_rows = 0, longest = args[LONGEST];
     for (int64_t r = 0; r < rows; r++) {
         const int64_t *pos = AT(const int64_t, POS) + r * (width + 1);
         const int64_t *draft = AT(const int64_t, DRAFTS) + r * width;
@@ -105,6 +106,8 @@ int64_t pardec_decide_rows(const int64_t *args, double margin) {
         AT(float, PREV_SCORE)[r] = score;
         AT(int64_t, LAST)[r] = token;
         AT(int64_t, N_OUT)[r] = start + j + 1;
+        if (start + j + 1 > longest) longest = start + j + 1;
     }
+    ((int64_t *)args)[LONGEST] = longest;
     return left_rows;
 }
