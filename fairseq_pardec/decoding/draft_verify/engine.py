@@ -372,7 +372,11 @@ class DraftVerifyGenerator(StatsGenerator):
         if ended.any():
             for r in np.flatnonzero(ended).tolist():
                 batch.finalized[batch.rows_host[r]] = [batch.hypothesis(r)]
-            batch.keep(np.flatnonzero(ended == 0).tolist())
+            alive = np.flatnonzero(ended == 0).tolist()
+            if not alive:  # the batch is done: nothing to reorder
+                batch.rows_host = []
+                return
+            batch.keep(alive)
         batch.step.compact(batch.cache, self.compact_holes)
 
 
