@@ -74,6 +74,9 @@ class Batch:
         self.backoff = DraftBackoff(bsz) if generator.backoff else None
         # row count -> a block without drafts, less its tokens (Block.last_tokens)
         self.plain_blocks = {}
+        # (row count, width) -> what a block whose rows draft as many tokens shares
+        # (Block.from_lists)
+        self.dense_blocks = {}
         # (row count, count) -> (B,) tensor of count on the device (uniform_gains)
         self._uniform_gains = {}
         self.finalized = [[] for _ in range(bsz)]
@@ -236,9 +239,10 @@ class Block:
             template.pad = torch.zeros(rows, 1, dtype=torch.bool, device=batch.device)
             template.layout = BlockLayout(template.pad, dense=True)
             template.drafts, template.lengths = [[]] * rows, [0] * rows
-            template.host_arrays(np.arange(rows, dtype=np.int64).reshape(rows, 1),
-                                 np.zeros((rows, 0), dtype=np.int64),
-                                 np.zeros(rows, dtype=np.int64))
+            template.pos = np.arange(rows, dtype=np.int64).reshape(rows, 1)
+            # (a plain row's block holds no draft: the grid's contents are never read)
+            template.host_arrays(np.zeros((rows, 1), dtype=np.int64),
+                                 np.zeros(rows, dtype=np.int64), template.pos.ctypes.data)
         block = cls.__new__(cls)
         block.__dict__.update(template.__dict__)
         block.tokens = torch.from_numpy(batch.last.reshape(rows, 1)).to(
@@ -255,36 +259,43 @@ class Block:
         rows, lengths = len(drafts), [len(d) for d in drafts]
         width = max(lengths)
         block.rows, block.width, block.drafts, block.lengths = rows, width, drafts, lengths
-        grid = np.full((rows, width + 1), pad, dtype=np.int64)
-        grid[:, 0] = batch.last
-        for r, draft in enumerate(drafts):
-            grid[r, 1: 1 + len(draft)] = draft
-        block.tokens = torch.from_numpy(grid).to(batch.device, non_blocking=True, copy=True)
-        block.cols = torch.arange(width + 1, device=batch.device)
+        # a fresh array, never written again: the copy to the device may be queued
+        grid = np.array([[last] + d + [pad] * (width - len(d))
+                         for last, d in zip(batch.last.tolist(), drafts)], dtype=np.int64)
+        block.tokens = torch.from_numpy(grid).to(batch.device, non_blocking=True)
         length_array = np.array(lengths, dtype=np.int64)
-        if min(lengths) == width:
-            block.pad = torch.zeros(rows, width + 1, dtype=torch.bool, device=batch.device)
-            block.layout = BlockLayout(block.pad, dense=True)
-            pos = np.ascontiguousarray(
-                np.arange((width + 1) * rows, dtype=np.int64).reshape(width + 1, rows).T)
+        if min(lengths) == width:  # what depends on the shape alone is kept per shape
+            shape = (rows, width)
+            dense = batch.dense_blocks.get(shape)
+            if dense is None:
+                pad_grid = torch.zeros(rows, width + 1, dtype=torch.bool, device=batch.device)
+                pos = np.ascontiguousarray(
+                    np.arange((width + 1) * rows, dtype=np.int64).reshape(width + 1, rows).T)
+                dense = batch.dense_blocks[shape] = (
+                    torch.arange(width + 1, device=batch.device), pad_grid,
+                    BlockLayout(pad_grid, dense=True), pos, pos.ctypes.data)
+            block.cols, block.pad, block.layout, block.pos, pos_at = dense
         else:  # real positions packed time-major: position j of every row, then j + 1
+            block.cols = torch.arange(width + 1, device=batch.device)
             real = np.arange(width + 1) <= length_array[:, None]  # (rows, width + 1)
             order = real.T.reshape(-1)  # time-major
             index = np.flatnonzero(order)
             packed = np.full(order.size, -1, dtype=np.int64)
             packed[index] = np.arange(index.size)
-            pos = np.ascontiguousarray(packed.reshape(width + 1, rows).T)
+            block.pos = np.ascontiguousarray(packed.reshape(width + 1, rows).T)
+            pos_at = block.pos.ctypes.data
             block.pad = to_device(torch.from_numpy(~real), batch.device)
-            block.layout = BlockLayout.from_host(block.pad, index, pos)
-        block.host_arrays(pos, grid[:, 1:].copy(), length_array)
+            block.layout = BlockLayout.from_host(block.pad, index, block.pos)
+        block.host_arrays(grid, length_array, pos_at)
         return block
 
-    def host_arrays(self, pos: np.ndarray, drafts: np.ndarray, lengths: np.ndarray):
-        """The block on the host as the native decisions read it: ``pos`` (rows, width + 1)
-        the packed position of each row's block position (-1 at padding), ``drafts`` (rows,
-        width) padded, ``lengths`` (rows,); and their addresses."""
-        self.pos, self.drafts_host, self.lengths_host = pos, drafts, lengths
-        self.addresses = (pos.ctypes.data, drafts.ctypes.data, lengths.ctypes.data)
+    def host_arrays(self, grid: np.ndarray, lengths: np.ndarray, pos_at: int):
+        """The block on the host as the native decisions read it (``pos``: (rows, width + 1)
+        the packed position of each row's block position, -1 at padding; ``grid``: (rows,
+        width + 1) the last tokens and the padded drafts; ``lengths``: (rows,) the draft
+        lengths): their addresses, in native_decide.c's slots POS, BLOCK, LENGTHS."""
+        self._host = (grid, lengths)  # kept alive while the addresses are used
+        self.addresses = (pos_at, grid.ctypes.data, lengths.ctypes.data)
 
     def __getattr__(self, name):
         """The drafts as device tensors (speculative sampling, relaxed acceptance)."""

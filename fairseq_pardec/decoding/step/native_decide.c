@@ -31,7 +31,7 @@ enum {
     ROWS,        /* active rows */
     WIDTH,       /* draft width of the block: positions per row are WIDTH + 1 */
     POS,         /* (ROWS, WIDTH + 1) int64: packed position of each row's block position */
-    DRAFTS,      /* (ROWS, WIDTH) int64: the drafts, padded */
+    BLOCK,       /* (ROWS, WIDTH + 1) int64: each row's last token, then its draft, padded */
     LENGTHS,     /* (ROWS,) int64: each row's draft length */
     EOS,         /* the end-of-sentence token */
     PREV_SCORE,  /* (ROWS,) float32 in/out: the running score of each row's last token */
@@ -69,7 +69,7 @@ int64_t pardec_decide_rows(int64_t *args, double margin) {
     int64_t left_rows = 0, longest = args[LONGEST];
     for (int64_t r = 0; r < rows; r++) {
         const int64_t *pos = AT(const int64_t, POS) + r * (width + 1);
-        const int64_t *draft = AT(const int64_t, DRAFTS) + r * width;
+        const int64_t *draft = AT(const int64_t, BLOCK) + r * (width + 1) + 1;
         const int64_t length = AT(const int64_t, LENGTHS)[r];
         const int64_t start = AT(int64_t, N_OUT)[r];
         int64_t *tokens = AT(int64_t, TOKENS) + r * tokens_stride + start + 1;
