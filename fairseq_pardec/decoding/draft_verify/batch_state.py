@@ -239,10 +239,8 @@ class Block:
             template.pad = torch.zeros(rows, 1, dtype=torch.bool, device=batch.device)
             template.layout = BlockLayout(template.pad, dense=True)
             template.drafts, template.lengths = [[]] * rows, [0] * rows
-            template.pos = np.arange(rows, dtype=np.int64).reshape(rows, 1)
             # (a plain row's block holds no draft: the grid's contents are never read)
-            template.host_arrays(np.zeros((rows, 1), dtype=np.int64),
-                                 np.zeros(rows, dtype=np.int64), template.pos.ctypes.data)
+            template.host_arrays(torch.zeros(rows, 1, dtype=torch.long))
         block = cls.__new__(cls)
         block.__dict__.update(template.__dict__)
         block.tokens = torch.from_numpy(batch.last.reshape(rows, 1)).to(
@@ -260,45 +258,51 @@ class Block:
         width = max(lengths)
         block.rows, block.width, block.drafts, block.lengths = rows, width, drafts, lengths
         # a fresh array, never written again: the copy to the device may be queued
-        grid = np.array([[last] + d + [pad] * (width - len(d))
-                         for last, d in zip(batch.last.tolist(), drafts)], dtype=np.int64)
-        block.tokens = torch.from_numpy(grid).to(batch.device, non_blocking=True)
-        length_array = np.array(lengths, dtype=np.int64)
+        grid = torch.from_numpy(np.array([[last] + d + [pad] * (width - len(d))
+                                          for last, d in zip(batch.last.tolist(), drafts)],
+                                         dtype=np.int64))
+        block.tokens = grid.to(batch.device, non_blocking=True)
         if min(lengths) == width:  # what depends on the shape alone is kept per shape
             shape = (rows, width)
             dense = batch.dense_blocks.get(shape)
             if dense is None:
                 pad_grid = torch.zeros(rows, width + 1, dtype=torch.bool, device=batch.device)
-                pos = np.ascontiguousarray(
-                    np.arange((width + 1) * rows, dtype=np.int64).reshape(width + 1, rows).T)
                 dense = batch.dense_blocks[shape] = (
                     torch.arange(width + 1, device=batch.device), pad_grid,
-                    BlockLayout(pad_grid, dense=True), pos, pos.ctypes.data)
-            block.cols, block.pad, block.layout, block.pos, pos_at = dense
+                    BlockLayout(pad_grid, dense=True))
+            block.cols, block.pad, block.layout = dense
+            block.host_arrays(grid)
         else:  # real positions packed time-major: position j of every row, then j + 1
             block.cols = torch.arange(width + 1, device=batch.device)
+            length_array = np.array(lengths, dtype=np.int64)
             real = np.arange(width + 1) <= length_array[:, None]  # (rows, width + 1)
             order = real.T.reshape(-1)  # time-major
             index = np.flatnonzero(order)
             packed = np.full(order.size, -1, dtype=np.int64)
             packed[index] = np.arange(index.size)
             block.pos = np.ascontiguousarray(packed.reshape(width + 1, rows).T)
-            pos_at = block.pos.ctypes.data
             block.pad = to_device(torch.from_numpy(~real), batch.device)
             block.layout = BlockLayout.from_host(block.pad, index, block.pos)
-        block.host_arrays(grid, length_array, pos_at)
+            block.host_arrays(grid, torch.from_numpy(length_array), torch.from_numpy(block.pos))
         return block
 
-    def host_arrays(self, grid: np.ndarray, lengths: np.ndarray, pos_at: int):
-        """The block on the host as the native decisions read it (``pos``: (rows, width + 1)
-        the packed position of each row's block position, -1 at padding; ``grid``: (rows,
-        width + 1) the last tokens and the padded drafts; ``lengths``: (rows,) the draft
-        lengths): their addresses, in native_decide.c's slots POS, BLOCK, LENGTHS."""
-        self._host = (grid, lengths)  # kept alive while the addresses are used
-        self.addresses = (pos_at, grid.ctypes.data, lengths.ctypes.data)
+    def host_arrays(self, grid: Tensor, lengths: Optional[Tensor] = None,
+                    pos: Optional[Tensor] = None):
+        """The block on the host as the native decisions read it, by address (native_decide.c's
+        slots POS, BLOCK, LENGTHS): ``grid`` (rows, width + 1) the last tokens and the padded
+        drafts; ``lengths`` (rows,) the draft lengths and ``pos`` (rows, width + 1) the packed
+        position of each row's block position (-1 at padding), both None for a dense block."""
+        self._host = (grid, lengths, pos)  # kept alive while the addresses are used
+        self.addresses = (0 if pos is None else pos.data_ptr(), grid.data_ptr(),
+                          0 if lengths is None else lengths.data_ptr())
 
     def __getattr__(self, name):
-        """The drafts as device tensors (speculative sampling, relaxed acceptance)."""
+        """The drafts as device tensors (speculative sampling, relaxed acceptance), and a dense
+        block's ``pos`` on the host (Python's walk)."""
+        if name == "pos":  # a dense block's: position j of row r is packed at j * rows + r
+            self.pos = np.arange((self.width + 1) * self.rows, dtype=np.int64).reshape(
+                self.width + 1, self.rows).T
+            return self.pos
         if name not in ("ar", "draft", "draft_len", "draft_valid", "draft_pos", "padded_draft"):
             raise AttributeError(name)
         device, width = self.device, self.width

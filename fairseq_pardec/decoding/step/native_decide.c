@@ -18,6 +18,7 @@
  */
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* float32's unit roundoff, doubled (margin_guard._ADD_ROUNDING). A power of two: its product
@@ -30,9 +31,11 @@ enum {
     BEST,        /* (N,) int64: the first token holding the best */
     ROWS,        /* active rows */
     WIDTH,       /* draft width of the block: positions per row are WIDTH + 1 */
-    POS,         /* (ROWS, WIDTH + 1) int64: packed position of each row's block position */
+    POS,         /* (ROWS, WIDTH + 1) int64: packed position of each row's block position; NULL
+                    for a dense block (every row drafts WIDTH tokens): position j of row r is
+                    packed at j * ROWS + r */
     BLOCK,       /* (ROWS, WIDTH + 1) int64: each row's last token, then its draft, padded */
-    LENGTHS,     /* (ROWS,) int64: each row's draft length */
+    LENGTHS,     /* (ROWS,) int64: each row's draft length; NULL: WIDTH for every row */
     EOS,         /* the end-of-sentence token */
     PREV_SCORE,  /* (ROWS,) float32 in/out: the running score of each row's last token */
     N_OUT,       /* (ROWS,) int64 in/out: tokens accepted so far */
@@ -68,9 +71,9 @@ int64_t pardec_decide_rows(int64_t *args, double margin) {
     const int guard = margin >= 0;
     int64_t left_rows = 0, longest = args[LONGEST];
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t *pos = AT(const int64_t, POS) + r * (width + 1);
+        const int64_t *pos = args[POS] ? AT(const int64_t, POS) + r * (width + 1) : NULL;
         const int64_t *draft = AT(const int64_t, BLOCK) + r * (width + 1) + 1;
-        const int64_t length = AT(const int64_t, LENGTHS)[r];
+        const int64_t length = args[LENGTHS] ? AT(const int64_t, LENGTHS)[r] : width;
         const int64_t start = AT(int64_t, N_OUT)[r];
         int64_t *tokens = AT(int64_t, TOKENS) + r * tokens_stride + start + 1;
         float *scores = AT(float, SCORES) + r * scores_stride + start;
@@ -78,7 +81,7 @@ int64_t pardec_decide_rows(int64_t *args, double margin) {
         int64_t j = 0, at = 0, token = 0, accepted = 0;
         int left = 0;
         for (;; j++) {
-            at = pos[j];
+            at = pos ? pos[j] : j * rows + r;
             const float first = top[2 * at], second = top[2 * at + 1];
             /* float + float: rounded to float32, as fairseq's running score is */
             const float ahead = first + score, behind = second + score;
