@@ -322,3 +322,29 @@ def test_setup_builds_the_library_from_the_shipped_sources():
                  + native_build.HEADERS):
         assert (native_build.HERE / name).exists()
         assert name.startswith("native_") and name.endswith((".c", ".h"))
+
+
+@pytest.mark.parametrize("unk_penalty", [0.0, 1.5])
+def test_best_two_makes_fairseqs_token_edits(unk_penalty):
+    """With the search rules, the best-two pass makes fairseq's first edits in place (NaN to
+    -inf, padding never chosen, --unkpen) and reads the edited rows: as token_rules then topk."""
+    from fairseq_pardec.decoding.fairseq_rules import SearchRules, token_rules
+
+    kernel = native.native_kernel()
+    if kernel is None:
+        pytest.skip("no native kernel here")
+    g = torch.Generator().manual_seed(3)
+    scores = torch.log_softmax(torch.randn(7, 50, generator=g) * 4, dim=-1)
+    scores[0, 1] = 5.0  # padding would win
+    scores[1, 3] = 5.0  # the unknown word would win, less its penalty or not
+    scores[2, 9] = float("nan")
+    scores[3, :] = float("nan")
+    scores[3, 4] = -2.0
+    rules = SearchRules(pad=1, unk=3, eos=2, unk_penalty=unk_penalty, min_len=1)
+    expected = token_rules(scores.clone(), 1, 3, unk_penalty)
+    edited = scores.clone()
+    values, best = kernel.best_two(edited, rules)[:2]
+    assert torch.equal(edited, expected)
+    top = expected.topk(2, dim=-1)
+    assert values.tolist() == top.values.tolist()
+    assert best.tolist() == expected.argmax(-1).tolist()

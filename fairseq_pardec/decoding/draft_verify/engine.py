@@ -33,13 +33,13 @@ call*, decided by replaying fairseq's own arithmetic for that sentence at batch 
 device (draft_verify/margin_guard.py). float32 CUDA products set to TF32 are refused. In
 float16/bfloat16 no bound is claimed and no guard runs: outputs are not guaranteed identical.
 
-Every token is decided on the host (decisions.py), on every device, from one read of the device
-per iteration: per verified position the best token after fairseq's edits, its log-probability
-and the runner-up's (with speculative sampling, what it drew). A second read comes only in an
-iteration with a close call, whose replay reads the device anyway, or with a tie that fairseq
-breaks by ``topk``'s order, or where the drafter drafts on the device (its drafts are read).
-The accepted tokens and their scores live on the host; the device gets the block and the kept
-counts as copies queued like kernels.
+Every token is decided on the host (decisions.py; nearly every row by a plain C function,
+step/native_decide.c), on every device, from one read of the device per iteration: per verified
+position the best token after fairseq's edits, its log-probability and the runner-up's (with
+speculative sampling, what it drew). A second read comes only in an iteration with a close call,
+whose replay reads the device anyway, or with a tie that fairseq breaks by ``topk``'s order, or
+where the drafter drafts on the device (its drafts are read). The accepted tokens and their
+scores live on the host; the device gets the block and the kept counts as queued copies.
 """
 
 from typing import List, Optional
@@ -75,27 +75,12 @@ class DraftVerifyGenerator(StatsGenerator):
     may be chosen. Assigning ``block_decoder`` or ``encode`` fixes that one for every batch.
     """
 
-    def __init__(
-        self,
-        models,
-        tgt_dict,
-        drafter,
-        acceptance,
-        max_len_a: float = 0,
-        max_len_b: int = 200,
-        max_len: int = 0,
-        min_len: int = 1,
-        normalize_scores: bool = True,
-        len_penalty: float = 1.0,
-        unk_penalty: float = 0.0,
-        temperature: float = 1.0,
-        compact_holes: float = 0.5,
-        lean: bool = True,
-        sampler: Optional[SpeculativeSampler] = None,
-        fast: bool = True,
-        margin: Optional[float] = None,
-        backoff: bool = True,
-    ):
+    def __init__(self, models, tgt_dict, drafter, acceptance, max_len_a: float = 0,
+                 max_len_b: int = 200, max_len: int = 0, min_len: int = 1,
+                 normalize_scores: bool = True, len_penalty: float = 1.0,
+                 unk_penalty: float = 0.0, temperature: float = 1.0, compact_holes: float = 0.5,
+                 lean: bool = True, sampler: Optional[SpeculativeSampler] = None,
+                 fast: bool = True, margin: Optional[float] = None, backoff: bool = True):
         if len(models) != 1:
             raise UsageError(
                 "draft-and-verify generators verify with one model; got an ensemble of %d "
@@ -329,9 +314,9 @@ class DraftVerifyGenerator(StatsGenerator):
         return features, lprobs, forced, native
 
     def _commit(self, batch: Batch, block: Block, features: Tensor, outcome):
-        """4. With each row's new tokens and scores in the host's tables and its length (the
-        decisions wrote them), queue the lengths for the device, show the drafter the outcome, and roll the
-        cache back to the kept positions."""
+        """4. With each row's new tokens, scores and length in the host's tables (the decisions
+        wrote them), queue the lengths for the device, show the drafter the outcome, and roll
+        the cache back to the kept positions."""
         batch.n_out = to_device(batch.n_out_host, batch.device)
         if block.width == 0:  # a plain step: every row keeps its one position
             fewest = most = 1
