@@ -107,3 +107,45 @@ def test_close_call_replays_count_one_read_each(monkeypatch):
     assert generator.stats.close_calls > 0
     assert max(iterations) <= REPLAYED_BOUND
     assert generator.device_reads == len(iterations)
+
+
+# drafter models on the device (gad's GLAT drafter, blockwise decoding's heads), untrained: the
+# counts as measured (7 in most iterations), the engine's read included; they too may only go
+# down. Besides the engine's read and its read of the drafts: gad, fairseq's decoder of the
+# drafter (4, its layers' padding checks) and the drafts' width (int(n_prefix.max())); blockwise,
+# the caps on the host fed with device tensors (4) and the drafts' width.
+MODEL_DRAFTER_BOUNDS = {
+    "gad": (8, 7.25, 8),
+    "blockwise": (8, 7.25, 4),
+}
+
+
+def _model_drafter_generator(name, d):
+    """(generator, verifier): gad with an untrained GLAT drafter on a tiny verifier, or
+    blockwise decoding with random heads on a tiny blockwise transformer (its first head is the
+    verifier)."""
+    from test_blockwise import blockwise_model
+    from test_gad import drafter_model
+
+    from fairseq_pardec.decoding.draft_verify.drafters import HeadsDrafter, NARDrafter
+
+    task = make_task(d)
+    if name == "gad":
+        model = tiny_transformer(task, seed=3)
+        drafter = NARDrafter(drafter_model(task, k=4), 4, d.eos(), d.pad())
+    else:
+        model = blockwise_model(task, heads=4, seed=3)
+        drafter = HeadsDrafter(model.decoder, d.pad(), 4, adaptive=True)
+    return DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), **LIMITS), model
+
+
+@pytest.mark.parametrize("name", ["gad", "blockwise"])
+def test_syncs_per_iteration_with_drafter_models(name, monkeypatch):
+    d, _, samples = _setting()
+    generator, model = _model_drafter_generator(name, d)
+    iterations, batches = _counted(generator, model, samples, monkeypatch)
+    unseen = 1 if generator.block_decoder.scores_kernel() is not None else 0
+    iterations = _with_engine_reads(iterations, generator, unseen)
+    most, mean, outside = max(iterations), sum(iterations) / len(iterations), max(batches)
+    bound = MODEL_DRAFTER_BOUNDS[name]
+    assert most <= bound[0] and mean <= bound[1] and outside <= bound[2], (most, mean, outside)
