@@ -8,7 +8,7 @@ so that work runs on them only; attention, which needs each row's block in place
 back onto the (L, B) grid.
 """
 
-from typing import List, Optional
+from typing import Optional
 
 import numpy as np
 import torch
