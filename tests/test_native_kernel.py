@@ -327,7 +327,9 @@ def test_setup_builds_the_library_from_the_shipped_sources():
 @pytest.mark.parametrize("unk_penalty", [0.0, 1.5])
 def test_best_two_makes_fairseqs_token_edits(unk_penalty):
     """With the search rules, the best-two pass makes fairseq's first edits in place (NaN to
-    -inf, padding never chosen, --unkpen) and reads the edited rows: as token_rules then topk."""
+    -inf, padding never chosen, --unkpen) and reads the edited rows: as token_rules then topk.
+    Compared bit for bit: the edits are assignments and one IEEE subtraction, and the best two
+    are the rows' own values, so no kernel's rounding enters."""
     from fairseq_pardec.decoding.fairseq_rules import SearchRules, token_rules
 
     kernel = native.native_kernel()

@@ -19,7 +19,8 @@ from fairseq_pardec.decoding.draft_verify.decisions import Outcome
 from fairseq_pardec.decoding.draft_verify.drafters.base import pad_drafts
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.interface import DecoderStep
-from fairseq_pardec.decoding.step.native import DECIDE_SLOTS, native_kernel
+from fairseq_pardec.decoding.step.native import (DECIDE_EOS, DECIDE_SLOTS, DECIDE_TABLES,
+                                                native_kernel)
 
 
 def to_device(host: Tensor, device) -> Tensor:
@@ -66,7 +67,7 @@ class Batch:
         self.decider = native_kernel()
         self.decide_args = np.zeros(DECIDE_SLOTS, dtype=np.int64)
         self.decide_args_at = self.decide_args.ctypes.data
-        self.decide_args[7] = generator.eos
+        self.decide_args[DECIDE_EOS] = generator.eos
         # row count -> the Outcome arrays an iteration's decisions write (outcome)
         self._outcomes = {}
         self.views()
@@ -117,7 +118,7 @@ class Batch:
         addresses in the native decisions' argument table (native_decide.c's slots)."""
         self.tokens_np, self.scores_np = self.tokens.numpy(), self.cum_scores.numpy()
         self.n_out_np = self.n_out_host.numpy()
-        self.decide_args[8:15] = (
+        self.decide_args[DECIDE_TABLES] = (
             self.prev_score.ctypes.data, self.n_out_np.ctypes.data, self.last.ctypes.data,
             self.tokens_np.ctypes.data, self.tokens_np.shape[1], self.scores_np.ctypes.data,
             self.scores_np.shape[1])
@@ -216,8 +217,9 @@ class Block:
 
     Built on the host from the drafts as lists (``drafts``, ``lengths``; as arrays for the
     native decisions, with ``pos``: per row and block position its packed row, -1 at padding:
-    ``host_arrays``); the decoder step reads ``tokens`` and ``layout`` on the device. The drafts as device tensors, which speculative sampling and the
-    relaxed acceptance rules read, are made when first read (``__getattr__``).
+    ``host_arrays``); the decoder step reads ``tokens`` and ``layout`` on the device. The
+    drafts as device tensors, which speculative sampling and the relaxed acceptance rules read,
+    are made when first read (``__getattr__``).
     """
 
     # whether the drafter proposed for this block (else it is not shown the outcome either)

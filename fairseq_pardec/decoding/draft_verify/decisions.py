@@ -30,6 +30,7 @@ from torch import Tensor
 
 from fairseq_pardec.decoding.draft_verify.margin_guard import fairseq_decision, lead_is_certain
 from fairseq_pardec.decoding.fairseq_rules import beam_one
+from fairseq_pardec.decoding.step.native import DECIDE_ITERATION, DECIDE_LONGEST, DECIDE_OUTCOME
 
 _f32 = np.float32
 
@@ -128,12 +129,12 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
     kernel = batch.decider
     if kernel is not None and reading.forced_lp is None and reading.verdict is None:
         args = batch.decide_args
-        args[0:7] = (*reading.addresses, block.rows, block.width, *block.addresses)
-        args[15:20] = outcome.addresses
-        args[20] = batch.longest
+        args[DECIDE_ITERATION] = (*reading.addresses, block.rows, block.width, *block.addresses)
+        args[DECIDE_OUTCOME] = outcome.addresses
+        args[DECIDE_LONGEST] = batch.longest
         margin = batch.margin
         left = kernel.decide_rows(batch.decide_args_at, -1.0 if margin is None else margin)
-        batch.longest = int(args[20])
+        batch.longest = int(args[DECIDE_LONGEST])
         if not left:
             return outcome
         rows = np.flatnonzero(outcome.left).tolist()

@@ -67,8 +67,12 @@ OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 # per-layer cache pointers; their sizes, as the library reports them
 LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE = 16, 18, 4
 LAYERS_ABI = LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
-# the slots of pardec_decide_rows's argument table (native_decide.c)
+# pardec_decide_rows's argument table (native_decide.c's enum, in its order): its size, and the
+# slots each party fills: per iteration TOP .. LENGTHS, the symbol EOS, per batch the host's
+# tables PREV_SCORE .. SCORES_STRIDE, per row count the outcome GAINED .. LEFT, and LONGEST
 DECIDE_SLOTS = 21
+DECIDE_ITERATION, DECIDE_EOS, DECIDE_TABLES = slice(0, 7), 7, slice(8, 15)
+DECIDE_OUTCOME, DECIDE_LONGEST = slice(15, 20), 20
 
 _kernel = None
 _reason: Optional[str] = None
@@ -371,7 +375,8 @@ def _check(kernel: NativeKernel):
     want = torch.log_softmax(torch.randn(3, 1000, generator=g) * 10, dim=-1)
     values, best = kernel.best_two(want)[:2]
     top = want.topk(2, dim=-1)
-    if not (values.tolist() == top.values.tolist() and best.tolist() == top.indices[:, 0].tolist()):
+    if not (values.tolist() == top.values.tolist()
+            and best.tolist() == top.indices[:, 0].tolist()):
         raise RuntimeError("the built kernel miscomputes a test top two")
 
 
