@@ -319,13 +319,52 @@ def test_replayed_decision_is_sequence_generators(model_kind, monkeypatch):
                 decided = torch.randint(4, len(d), (steps,), generator=g)
                 with torch.no_grad():
                     monkeypatch.setattr(margin_guard, "_REPLAY", True)
-                    replayed = fairseq_decision(generator, src, decided)
-                    bounded = [fairseq_decision(generator, src, decided, score_bound=bound)
-                               for bound in (prefix_score(generator, src, decided) + 1e-3, 1e4)]
+                    replayed, bounded = [], []
+                    for one_row in (True, False):  # the one-row steps, the lean step
+                        monkeypatch.setattr(margin_guard, "_ONE_ROW", one_row)
+                        replayed.append(fairseq_decision(generator, src, decided))
+                        bounded += [fairseq_decision(generator, src, decided, score_bound=bound)
+                                    for bound in (prefix_score(generator, src, decided) + 1e-3,
+                                                  1e4)]
                     monkeypatch.setattr(margin_guard, "_REPLAY", False)
                     searched = fairseq_decision(generator, src, decided)
-                assert replayed == searched, (unk_penalty, min_len, steps)
-                assert bounded == [searched, searched], (unk_penalty, min_len, steps)
+                assert replayed == [searched] * 2, (unk_penalty, min_len, steps)
+                assert bounded == [searched] * 4, (unk_penalty, min_len, steps)
+
+
+@pytest.mark.parametrize("overrides", ARCHITECTURES)
+def test_one_row_steps_are_the_lean_steps(overrides):
+    """The replay's one-row steps compute the lean step's features bit for bit, one token a
+    step at batch 1 (the same operations on the same shapes: equal floats are the contract),
+    after the last token or after every one; a hooked module sends the replay to the lean
+    step."""
+    from fairseq_pardec.decoding.step.block_layout import BlockLayout
+    from fairseq_pardec.decoding.step.one_row_steps import OneRowSteps, one_row_supported
+
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=36, **overrides).eval()
+    sample = random_batch(d, [9], seed=5)
+    tokens = [d.eos()] + torch.randint(4, len(d), (13,),
+                                       generator=torch.Generator().manual_seed(2)).tolist()
+    decoder = model.decoder
+    assert one_row_supported(decoder)
+    with torch.no_grad():
+        encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+        lean = LeanBlockDecoder(decoder)
+        cache = lean.new_state()
+        one = BlockLayout(torch.zeros(1, 1, dtype=torch.bool), dense=True)
+        expected = [lean.forward_packed(torch.tensor([[token]]), torch.tensor([t]), one,
+                                        encoder_out, cache) for t, token in enumerate(tokens)]
+        every = OneRowSteps(decoder, encoder_out).run(tokens, features_of_all=True)
+        last = OneRowSteps(decoder, encoder_out).run(tokens)
+    assert len(every) == len(tokens) and len(last) == 1
+    assert all(torch.equal(a, b) for a, b in zip(every, expected))
+    assert torch.equal(last[0], expected[-1])
+    handle = decoder.layers[0].fc1.register_forward_hook(lambda *args: None)
+    try:
+        assert not one_row_supported(decoder)
+    finally:
+        handle.remove()
 
 
 def prefix_score(generator, src, decided) -> float:

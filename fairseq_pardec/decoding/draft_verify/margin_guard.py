@@ -71,12 +71,13 @@ def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
 def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[int],
                        score_bound: Optional[float] = None):
     """:func:`fairseq_decision` by replaying what fairseq's ``SequenceGenerator`` computes for
-    it, without its search bookkeeping and with the lean step for the decoder layers; None where
-    the replay does not apply (the caller then runs ``SequenceGenerator`` itself).
+    it, without its search bookkeeping and with the one-row steps (step/one_row_steps.py) or the
+    lean step for the decoder layers; None where the replay does not apply (the caller then runs
+    ``SequenceGenerator`` itself).
 
     fairseq's search with the decided tokens as a forced prefix runs, per step: the decoder over
     one new token (its incremental path; the lean step's layers compute it bit for bit,
-    tests/test_lean_decoder.py), the decoder's own output layer, the division by the temperature
+    tests/test_lean_decoder.py, and the one-row steps as the lean step), the decoder's own output layer, the division by the temperature
     and the model's own normalisation, fairseq's edits of the log-probabilities; at a forced
     step the hypothesis score becomes the previous one plus the forced token's log-probability
     (float32), and at the step after the prefix the choice is beam-1's first of
@@ -91,19 +92,14 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     ``SequenceGenerator``, with and without a bound, on models where every way is taken.
     """
     from fairseq_pardec.decoding.fairseq_rules import token_rules
-    from fairseq_pardec.decoding.step.block_layout import BlockLayout
-    from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
+    from fairseq_pardec.decoding.step.lean import lean_supported
 
     model, decoder = generator.model, generator.model.decoder
     steps = decided.numel()
     # SequenceGenerator's length limit for this search: step `steps` must lie below it
     if not _REPLAY or not lean_supported(decoder) or steps + 1 > generator.max_len - 1:
         return None
-    device = sample["net_input"]["src_tokens"].device
     encoder_out = model.encoder.forward_torchscript(sample["net_input"])
-    step = LeanBlockDecoder(decoder)
-    cache = step.new_state()
-    one = BlockLayout(torch.zeros(1, 1, dtype=torch.bool, device=device), dense=True)
     tokens = [generator.eos if bos_token is None else bos_token] + decided.tolist()
 
     def log_probs(features: Tensor) -> Tensor:
@@ -115,13 +111,8 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
         return lprobs
 
     # with a bound on the prefix's score, the prefix steps only fill the cache
-    prefix = []
-    for t in range(steps + 1):
-        features = step.forward_packed(torch.tensor([[tokens[t]]], device=device),
-                                       torch.tensor([t], device=device), one, encoder_out, cache,
-                                       cache_only=t < steps and score_bound is not None)
-        if t < steps and score_bound is None:
-            prefix.append(features)
+    *prefix, features = _fairseq_features(decoder, encoder_out, tokens,
+                                           features_of_all=score_bound is None)
     lprobs = log_probs(features)
     if steps < generator.min_len:
         lprobs[:, generator.eos] = -math.inf
@@ -133,7 +124,7 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     # position); the exact score, one output layer per position as fairseq computes it, only
     # where needed.
     if score_bound is None:
-        tokens_after = torch.tensor(tokens[1:], device=device).unsqueeze(1)
+        tokens_after = torch.tensor(tokens[1:], device=features.device).unsqueeze(1)
         rough = log_probs(torch.cat(prefix)).gather(1, tokens_after).sum().abs().item()
         score_bound = rough + 1e-3 * (steps + 1)
     top = lprobs.topk(2, dim=-1).values[0].tolist()
@@ -146,6 +137,31 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
         lp = log_probs(features)[:, tokens[t + 1]]
         score = lp if score is None else score + lp
     return _choice(lprobs, np.float32(score.item()))
+
+
+def _fairseq_features(decoder, encoder_out, tokens, features_of_all: bool):
+    """The decoder's features after the last of ``tokens`` (BOS first) as fairseq's incremental
+    steps compute them, at batch 1, one token a step; after every token with
+    ``features_of_all``. :class:`OneRowSteps` where it covers the decoder, else the lean step."""
+    from fairseq_pardec.decoding.step.block_layout import BlockLayout
+    from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
+    from fairseq_pardec.decoding.step.one_row_steps import OneRowSteps, one_row_supported
+
+    if _ONE_ROW and one_row_supported(decoder):
+        return OneRowSteps(decoder, encoder_out).run(tokens, features_of_all)
+    device = decoder.embed_tokens.weight.device
+    step = LeanBlockDecoder(decoder)
+    cache = step.new_state()
+    one = BlockLayout(torch.zeros(1, 1, dtype=torch.bool, device=device), dense=True)
+    features = []
+    for t, token in enumerate(tokens):
+        last = t + 1 == len(tokens)
+        out = step.forward_packed(torch.tensor([[token]], device=device),
+                                  torch.tensor([t], device=device), one, encoder_out, cache,
+                                  cache_only=not (last or features_of_all))
+        if out is not None:
+            features.append(out)
+    return features
 
 
 def _choice(lprobs: Tensor, score: np.float32) -> int:
@@ -161,3 +177,5 @@ def _choice(lprobs: Tensor, score: np.float32) -> int:
 
 # False runs every decision through SequenceGenerator (tests compare the two)
 _REPLAY = True
+# False replays with the lean step where OneRowSteps would (tests compare the two)
+_ONE_ROW = True
