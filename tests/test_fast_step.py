@@ -102,6 +102,9 @@ def test_fast_encoder_output_is_fairseqs(overrides, kernel):
                     assert torch.allclose(e, g, atol=1e-5), key
                 else:
                     assert torch.equal(e, g), key
+    if kernel is not None:  # one unpadded sentence: its input in one native call where plain
+        x, _ = encode._one_sentence_embedding(encode._prepared().stack, net_input["src_tokens"])
+        assert (x is not None) == (not overrides.get("layernorm_embedding", False))
     if kernel == NATIVE:
         assert encode._weights.stack is not None  # these layers are ones the native call computes
     generator = _iad(model, d)

@@ -123,6 +123,8 @@ class FastCache:
         # (layer_stack.py)
         self.input_tables = None
         self.native_state = None
+        # and its table of sizes, filled per call (NativeLayerStack.__call__)
+        self.native_dims = None
 
     @property
     def capacity(self) -> int:
@@ -426,9 +428,9 @@ class FastBlockDecoder(LeanBlockDecoder):
             if tables is not None:
                 x = stack.block_input(dec, tokens, start, layout.index, layout.size, first,
                                       tables)
-            if x is not None:
+            if x is not None:  # a new buffer of this call's: the layers write over it
                 self._reserve(cache, total)
-                return self._native_layers(stack, x, cache, layout, length)
+                return self._native_layers(stack, x, cache, layout, length, owned=True)
         if steps is None:
             steps = start.unsqueeze(1) + torch.arange(length, device=tokens.device)
         positions = steps + self.padding_idx + 1
@@ -477,12 +479,12 @@ class FastBlockDecoder(LeanBlockDecoder):
         return final_features(dec, x, time_major=False)
 
     def _native_layers(self, stack: NativeLayerStack, x: Tensor, cache: FastCache,
-                       layout: BlockLayout, length: int) -> Tensor:
-        """The layers as one native call on the block's input rows ``x`` (the cache has room),
-        then the decoder's final features."""
+                       layout: BlockLayout, length: int, owned: bool = False) -> Tensor:
+        """The layers as one native call on the block's input rows ``x`` (the cache has room;
+        ``owned``: ``x`` may be written over), then the decoder's final features."""
         first = cache.length
         self._mark_block(cache, layout, length)
-        x = stack(x, cache, layout.index, layout.batch, first, length)
+        x = stack(x, cache, layout.index, layout.batch, first, length, owned)
         cache.length = first + length
         return final_features(self.decoder, x, time_major=False)
 

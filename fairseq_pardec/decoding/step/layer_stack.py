@@ -15,6 +15,7 @@ custom block mask).
 import ctypes
 from typing import List, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -130,28 +131,41 @@ class NativeLayerStack:
             known = cache.native_state = (key, (ctypes.c_int64 * len(table))(*table))
         return known[1]
 
+    def _dims(self, rows, batch, length, first, capacity, source, dims=None) -> int:
+        """The address of the call's table of sizes (native_layers.c's ``dims``), in ``dims``
+        (a cache's own int64 array, filled where it changes) or in a new array."""
+        threads = torch.get_num_threads()
+        if dims is None:
+            model, heads, head_dim, cross_heads, cross_dim, ffn, pre_norm = self.shape
+            dims = (ctypes.c_int64 * LAYER_DIMS)(
+                len(self._layers), rows, batch, length, first, capacity, model, heads,
+                head_dim, cross_heads, cross_dim, ffn, source, pre_norm, threads,
+                int(self.encoder))
+            return ctypes.addressof(dims), dims
+        dims[1:6] = rows, batch, length, first, capacity
+        dims[12], dims[14] = source, threads
+        return dims.ctypes.data, dims
+
     def _run(self, x: Tensor, state, index, masked, enc_attend, batch, length, first, capacity,
-             source) -> Tensor:
-        model, heads, head_dim, cross_heads, cross_dim, ffn, pre_norm = self.shape
-        out = x.contiguous().clone()
-        dims = (ctypes.c_int64 * LAYER_DIMS)(
-            len(self._layers), out.size(0), batch, length, first, capacity, model, heads,
-            head_dim, cross_heads, cross_dim, ffn, source, pre_norm, torch.get_num_threads(),
-            int(self.encoder))
+             source, owned: bool = False, dims=None) -> Tensor:
+        """The layers on the rows ``x``, in place where ``owned`` (a buffer of the caller's
+        that nobody else reads), else on a copy."""
+        out = x if owned and x.is_contiguous() else x.contiguous().clone()
+        address, dims = self._dims(out.size(0), batch, length, first, capacity, source, dims)
         self.kernel.decoder_layers(
-            ctypes.addressof(dims), ctypes.addressof(self._weights), ctypes.addressof(self._eps),
+            address, ctypes.addressof(self._weights), ctypes.addressof(self._eps),
             ctypes.addressof(state), _address(index), _address(masked), _address(enc_attend),
             out.data_ptr())
         return out
 
     @staticmethod
-    def input_tables(decoder, needed: int):
+    def input_tables(decoder, needed: int, plain: bool = False):
         """The two tables the decoder's input adds up (its token embedding's weight, and its
-        position table of at least ``needed`` rows or None), where its way in is just those;
-        None where it is not or the position table is shorter (the torch path then runs, and
-        says what is wrong)."""
+        position table of at least ``needed`` rows or None), where its way in is just those
+        (``plain``: the caller has checked that); None where it is not or the position table
+        is shorter (the torch path then runs, and says what is wrong)."""
         table = decoder.embed_tokens
-        if not plain_input(decoder) or not table.weight.is_contiguous():
+        if not (plain or plain_input(decoder)) or not table.weight.is_contiguous():
             return None
         positions = _position_table(decoder, needed)
         if positions is False or (positions is not None and positions.size(0) < needed):
@@ -182,14 +196,20 @@ class NativeLayerStack:
         return None if failed else out
 
     def __call__(self, x: Tensor, cache, index: Optional[Tensor], batch: int, first: int,
-                 length: int) -> Tensor:
-        """The decoder layers' output for the packed rows ``x`` (N, C), a new tensor; the rows'
-        keys and values are written to the cache at ``[first, first + length)``. ``index``: the
-        packed rows' places in the (length, batch) time-major grid (None: dense)."""
+                 length: int, owned: bool = False) -> Tensor:
+        """The decoder layers' output for the packed rows ``x`` (N, C): ``x`` itself, written
+        over, where ``owned`` (see :meth:`_run`), else a new tensor; the rows' keys and values
+        are written to the cache at ``[first, first + length)``. ``index``: the packed rows'
+        places in the (length, batch) time-major grid (None: dense)."""
         state = self._state_table(cache)
+        dims = cache.native_dims
+        if dims is None:
+            dims = cache.native_dims = np.array(self._dims(
+                x.size(0), batch, length, first, cache.keys[0].size(2),
+                cache.enc_keys[0].size(2))[1], dtype=np.int64)
         return self._run(x, state, None if index is None else index.contiguous(), cache.masked,
                          cache.enc_attend, batch, length, first, cache.keys[0].size(2),
-                         cache.enc_keys[0].size(2))
+                         cache.enc_keys[0].size(2), owned, dims)
 
     def encode(self, x: Tensor, padding: Optional[Tensor], batch: int, length: int) -> Tensor:
         """The encoder layers' output for ``x`` (batch * length, C), batch-major rows, a new

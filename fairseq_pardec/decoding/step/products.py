@@ -64,7 +64,9 @@ _MARGIN = 0.15
 
 
 def _bucket(rows: int) -> int:
-    return sum(rows > limit for limit in _BUCKET_LIMITS)
+    # asked twice per decoder call: comparisons, not a generator over _BUCKET_LIMITS
+    one, few, batch = _BUCKET_LIMITS
+    return 0 if rows <= one else 1 if rows <= few else 2 if rows <= batch else 3
 
 
 class Linear:
