@@ -123,7 +123,8 @@ class FastCache:
         # (layer_stack.py)
         self.input_tables = None
         self.native_state = None
-        # and its table of sizes, filled per call (NativeLayerStack.__call__)
+        # and its table of sizes with the table's address, filled per call
+        # (NativeLayerStack.__call__)
         self.native_dims = None
 
     @property

@@ -131,20 +131,22 @@ class NativeLayerStack:
             known = cache.native_state = (key, (ctypes.c_int64 * len(table))(*table))
         return known[1]
 
-    def _dims(self, rows, batch, length, first, capacity, source, dims=None) -> int:
-        """The address of the call's table of sizes (native_layers.c's ``dims``), in ``dims``
-        (a cache's own int64 array, filled where it changes) or in a new array."""
+    def _dims(self, rows, batch, length, first, capacity, source, dims=None):
+        """(address, table) of the call's table of sizes (native_layers.c's ``dims``): in
+        ``dims``, a cache's own (int64 array, its address), filled where it changes, or in a
+        new array."""
         threads = torch.get_num_threads()
         if dims is None:
             model, heads, head_dim, cross_heads, cross_dim, ffn, pre_norm = self.shape
-            dims = (ctypes.c_int64 * LAYER_DIMS)(
+            table = (ctypes.c_int64 * LAYER_DIMS)(
                 len(self._layers), rows, batch, length, first, capacity, model, heads,
                 head_dim, cross_heads, cross_dim, ffn, source, pre_norm, threads,
                 int(self.encoder))
-            return ctypes.addressof(dims), dims
-        dims[1:6] = rows, batch, length, first, capacity
-        dims[12], dims[14] = source, threads
-        return dims.ctypes.data, dims
+            return ctypes.addressof(table), table
+        table, address = dims
+        table[1], table[2], table[3], table[4], table[5] = rows, batch, length, first, capacity
+        table[12], table[14] = source, threads
+        return address, table
 
     def _run(self, x: Tensor, state, index, masked, enc_attend, batch, length, first, capacity,
              source, owned: bool = False, dims=None) -> Tensor:
@@ -204,9 +206,9 @@ class NativeLayerStack:
         state = self._state_table(cache)
         dims = cache.native_dims
         if dims is None:
-            dims = cache.native_dims = np.array(self._dims(
-                x.size(0), batch, length, first, cache.keys[0].size(2),
-                cache.enc_keys[0].size(2))[1], dtype=np.int64)
+            table = np.array(self._dims(x.size(0), batch, length, first, cache.keys[0].size(2),
+                                        cache.enc_keys[0].size(2))[1], dtype=np.int64)
+            dims = cache.native_dims = (table, table.ctypes.data)
         return self._run(x, state, None if index is None else index.contiguous(), cache.masked,
                          cache.enc_attend, batch, length, first, cache.keys[0].size(2),
                          cache.enc_keys[0].size(2), owned, dims)
