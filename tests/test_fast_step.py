@@ -370,6 +370,63 @@ def test_one_row_steps_are_the_lean_steps(overrides):
         handle.remove()
 
 
+def test_a_rows_replays_resume_where_the_last_stopped(monkeypatch):
+    """A row's later close calls feed only the tokens decided since its last replay: the
+    features are bit for bit a fresh run's (the same operations on the same shapes), the
+    decisions are SequenceGenerator's, a prefix that does not extend the cache's starts over,
+    and a run cut short leaves no cache behind."""
+    from fairseq_pardec.decoding.step.one_row_steps import OneRowSteps
+
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=37).eval()
+    sample = random_batch(d, [8], seed=6)
+    src = sample["net_input"]["src_tokens"][0]
+    g = torch.Generator().manual_seed(3)
+    tokens = [d.eos()] + torch.randint(4, len(d), (15,), generator=g).tolist()
+    with torch.no_grad():
+        encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+        steps = OneRowSteps(model.decoder, encoder_out)
+        for end in (4, 9, 16):
+            resumed = steps.run(tokens[:end])
+            assert steps.fed == tokens[:end] and len(resumed) == 1
+            fresh = OneRowSteps(model.decoder, encoder_out).run(tokens[:end])
+            assert torch.equal(resumed[0], fresh[0])
+        other = tokens[:6] + [4]  # not an extension: a fresh run
+        assert not steps.continues(other)
+        assert torch.equal(steps.run(other)[0],
+                           OneRowSteps(model.decoder, encoder_out).run(other)[0])
+        cut = OneRowSteps(model.decoder, encoder_out)
+        cut.run(tokens[:5])
+        calls = []
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("interrupted")
+            return OneRowSteps._layers(cut, *args, **kwargs)
+
+        monkeypatch.setattr(cut, "_layers", failing)
+        with pytest.raises(RuntimeError):
+            cut.run(tokens[:9])
+        monkeypatch.undo()
+        assert cut.fed == []
+        assert torch.equal(cut.run(tokens[:9])[0],
+                           OneRowSteps(model.decoder, encoder_out).run(tokens[:9])[0])
+
+        generator = DraftVerifyGenerator([model], d, CopyDrafter(d, d), ExactAcceptance(),
+                                         max_len_a=1.2, max_len_b=10)
+        replay = margin_guard.RowReplay()
+        decided = torch.tensor(tokens[1:], dtype=torch.long)
+        for steps_decided in (2, 5, 11, 14):
+            resumed = fairseq_decision(generator, src, decided[:steps_decided], resume=replay,
+                                       score_bound=1e4)
+            monkeypatch.setattr(margin_guard, "_REPLAY", False)
+            searched = fairseq_decision(generator, src, decided[:steps_decided])
+            monkeypatch.setattr(margin_guard, "_REPLAY", True)
+            assert resumed == searched, steps_decided
+        assert replay.steps.fed == tokens[:15]
+
+
 def prefix_score(generator, src, decided) -> float:
     """The size of fairseq's own score of the forced tokens ``decided``: its positional scores
     (the forced tokens' log-probabilities as its search computes them), summed."""

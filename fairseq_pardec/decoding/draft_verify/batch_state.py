@@ -16,6 +16,7 @@ from torch import Tensor
 from fairseq_pardec.decoding.decode_stats import PartTimer
 from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
 from fairseq_pardec.decoding.draft_verify.decisions import Outcome
+from fairseq_pardec.decoding.draft_verify.margin_guard import RowReplay
 from fairseq_pardec.decoding.draft_verify.drafters.base import pad_drafts
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.interface import DecoderStep
@@ -81,6 +82,8 @@ class Batch:
         # (row count, count) -> (B,) tensor of count on the device (uniform_gains)
         self._uniform_gains = {}
         self.finalized = [[] for _ in range(bsz)]
+        # row of the batch -> its close calls' replay state (margin_guard.RowReplay)
+        self._replays = {}
         # every active row has gained >= 1 token per iteration: n_out >= iteration
         self.iteration = 0
         # the drafter's and the verifier's shares of the time (benchmark)
@@ -96,6 +99,10 @@ class Batch:
         self.prev_score, self.last = self.prev_score[alive], self.last[alive]
         self.views()
         self.rows_host = [self.rows_host[i] for i in alive]
+        if self._replays:
+            staying = set(self.rows_host)
+            self._replays = {row: replay for row, replay in self._replays.items()
+                             if row in staying}
         self.longest = int(self.n_out_host.max()) if alive else 0
         if self.prefix_host is not None:
             self.prefix_host = self.prefix_host[alive_host]
@@ -107,6 +114,14 @@ class Batch:
             self.prefix = self.prefix[alive_dev]
         if alive:
             self.step.reorder(self.cache, alive_dev)
+
+    def row_replay(self, r: int) -> RowReplay:
+        """Active row ``r``'s replay state, kept for its later close calls until it leaves."""
+        row = self.rows_host[r]
+        replay = self._replays.get(row)
+        if replay is None:
+            replay = self._replays[row] = RowReplay()
+        return replay
 
     @property
     def margin(self) -> Optional[float]:

@@ -193,7 +193,7 @@ def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], 
                 bound = abs(float(score)) + (n_out + j + 1) * margin
                 token = fairseq_decision(
                     generator, sample["net_input"]["src_tokens"][batch.rows_host[r]],
-                    before, bos_token, score_bound=bound)
+                    before, bos_token, score_bound=bound, resume=batch.row_replay(r))
                 lp = float(lprobs[at, token])
                 generator.stats.close_calls += 1
         kept = False

@@ -33,8 +33,22 @@ def lead_is_certain(first: float, second: float, score: float, margin: float) ->
     return first - second > 2 * margin + _ADD_ROUNDING * (abs(float(score)) + abs(first))
 
 
+class RowReplay:
+    """What a row's replay leaves for the row's next close call in the same batch: fairseq's
+    encoder output for the sentence and the one-row steps' cache over the tokens decided so
+    far (step/one_row_steps.py). A later decision whose prefix extends those tokens feeds only
+    the tokens decided since."""
+
+    __slots__ = ("encoder_out", "steps")
+
+    def __init__(self):
+        self.encoder_out = None
+        self.steps = None
+
+
 def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
-                     bos_token: Optional[int] = None, score_bound: Optional[float] = None) -> int:
+                     bos_token: Optional[int] = None, score_bound: Optional[float] = None,
+                     resume: Optional[RowReplay] = None) -> int:
     """The token fairseq's beam-1 search takes after ``decided`` for one source sentence.
 
     Args:
@@ -44,6 +58,8 @@ def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
         score_bound: a bound on the size of fairseq's score of ``decided`` where the caller
             has one (the fast step's score plus P margins); it spares the replay the prefix's
             features.
+        resume: the row's :class:`RowReplay`, kept by the caller between the row's close calls
+            of one batch (the same sentence, the same weights), or None.
     """
     # on the model's device, as fairseq-generate moves its batch there
     device = next(generator.model.parameters()).device
@@ -51,7 +67,7 @@ def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
     decided = decided.to(device)
     sample = {"net_input": {"src_tokens": src,
                             "src_lengths": torch.tensor([src.size(1)], device=device)}}
-    replayed = _replayed_decision(generator, sample, decided, bos_token, score_bound)
+    replayed = _replayed_decision(generator, sample, decided, bos_token, score_bound, resume)
     if replayed is not None:
         return replayed
     # the search must reach the decision's step, and fairseq refuses a length limit below
@@ -69,7 +85,7 @@ def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
 
 
 def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[int],
-                       score_bound: Optional[float] = None):
+                       score_bound: Optional[float] = None, resume: Optional[RowReplay] = None):
     """:func:`fairseq_decision` by replaying what fairseq's ``SequenceGenerator`` computes for
     it, without its search bookkeeping and with the one-row steps (step/one_row_steps.py) or the
     lean step for the decoder layers; None where the replay does not apply (the caller then runs
@@ -99,7 +115,12 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     # SequenceGenerator's length limit for this search: step `steps` must lie below it
     if not _REPLAY or not lean_supported(decoder) or steps + 1 > generator.max_len - 1:
         return None
-    encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+    if resume is not None and resume.encoder_out is not None:
+        encoder_out = resume.encoder_out
+    else:
+        encoder_out = model.encoder.forward_torchscript(sample["net_input"])
+        if resume is not None:
+            resume.encoder_out = encoder_out
     tokens = [generator.eos if bos_token is None else bos_token] + decided.tolist()
 
     def log_probs(features: Tensor) -> Tensor:
@@ -112,7 +133,7 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
 
     # with a bound on the prefix's score, the prefix steps only fill the cache
     *prefix, features = _fairseq_features(decoder, encoder_out, tokens,
-                                           features_of_all=score_bound is None)
+                                           features_of_all=score_bound is None, resume=resume)
     lprobs = log_probs(features)
     if steps < generator.min_len:
         lprobs[:, generator.eos] = -math.inf
@@ -139,16 +160,23 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     return _choice(lprobs, np.float32(score.item()))
 
 
-def _fairseq_features(decoder, encoder_out, tokens, features_of_all: bool):
+def _fairseq_features(decoder, encoder_out, tokens, features_of_all: bool,
+                      resume: Optional[RowReplay] = None):
     """The decoder's features after the last of ``tokens`` (BOS first) as fairseq's incremental
     steps compute them, at batch 1, one token a step; after every token with
-    ``features_of_all``. :class:`OneRowSteps` where it covers the decoder, else the lean step."""
+    ``features_of_all``. :class:`OneRowSteps` where it covers the decoder (from where the row's
+    last replay stopped, with ``resume``), else the lean step."""
     from fairseq_pardec.decoding.step.block_layout import BlockLayout
     from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
     from fairseq_pardec.decoding.step.one_row_steps import OneRowSteps, one_row_supported
 
     if _ONE_ROW and one_row_supported(decoder):
-        return OneRowSteps(decoder, encoder_out).run(tokens, features_of_all)
+        steps = resume.steps if resume is not None and resume.steps is not None else None
+        if steps is None:
+            steps = OneRowSteps(decoder, encoder_out)
+            if resume is not None:
+                resume.steps = steps
+        return steps.run(tokens, features_of_all)
     device = decoder.embed_tokens.weight.device
     step = LeanBlockDecoder(decoder)
     cache = step.new_state()

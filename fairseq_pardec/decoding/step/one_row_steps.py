@@ -16,6 +16,12 @@ modules' own ``forward``, attention through the lean step's :meth:`LeanBlockDeco
 Its features are bit for bit the lean step's (tests/test_fast_step.py). It covers the decoders
 whose linear maps are plain ``nn.Linear`` modules with no hooks; :func:`one_row_supported` says
 which, and the guard takes the lean step for the others.
+
+A replay's cache stays valid for the row's later close calls: their prefixes extend this one's
+with the tokens decided since, which fairseq's search would have fed one by one the same way.
+:meth:`OneRowSteps.run` therefore takes up where the last run stopped (``fed``), so that a row
+with close calls after 115, 118 and 150 tokens costs 150 steps, not 383 (a long output has
+several: docs/results.md, "The close calls' replay").
 """
 
 from typing import List, Optional, Tuple
@@ -106,29 +112,43 @@ class OneRowSteps:
                            .transpose(0, 1))
         self.keys: List[Optional[Tensor]] = [None] * len(self.layers)
         self.values: List[Optional[Tensor]] = [None] * len(self.layers)
+        # the tokens whose keys and values the cache holds, in order (BOS first)
+        self.fed: List[int] = []
+
+    def continues(self, tokens: List[int]) -> bool:
+        """Whether ``tokens`` extend what the cache holds by at least one token."""
+        fed = self.fed
+        return len(tokens) > len(fed) and tokens[: len(fed)] == fed
 
     def run(self, tokens: List[int], features_of_all: bool = False) -> List[Tensor]:
         """The decoder's features (1, d) after the last of ``tokens`` (the first is BOS), and
         after every one of them with ``features_of_all``; without it the steps before the last
         only fill the cache (the last layer's query, attention and feed-forward skipped, as the
-        lean step's ``cache_only``)."""
+        lean step's ``cache_only``). Where :meth:`continues` holds (and not all features are
+        asked for), only the tokens past the cache's are fed: one feature is returned."""
         decoder = self.decoder
         device = decoder.embed_tokens.weight.device
-        steps = torch.tensor(tokens, device=device).view(-1, 1, 1)
+        first = len(self.fed) if not features_of_all and self.continues(tokens) else 0
+        self.fed = []  # until this run has fed every token: a run cut short leaves no cache
+        if first == 0:
+            self.keys = [None] * len(self.layers)
+            self.values = [None] * len(self.layers)
+        steps = torch.tensor(tokens[first:], device=device).view(-1, 1, 1)
         offset = decoder.padding_idx + 1
         plain = plain_input(decoder)
         if plain:
             table, scale = decoder.embed_tokens.weight, decoder.embed_scale
             positions = position_embeddings(
-                decoder, torch.arange(offset, offset + len(tokens), device=device))
+                decoder, torch.arange(offset + first, offset + len(tokens), device=device))
         features = []
-        for t in range(len(tokens)):
+        for t in range(first, len(tokens)):
             if plain:  # embed_at's operations on one token
-                x = scale * F.embedding(steps[t], table)
+                x = scale * F.embedding(steps[t - first], table)
                 if positions is not None:
-                    x += positions[t]
+                    x += positions[t - first]
             else:
-                x = embed_at(decoder, steps[t], torch.full((1, 1), t + offset, device=device))
+                x = embed_at(decoder, steps[t - first],
+                             torch.full((1, 1), t + offset, device=device))
             x = self._layers(x.transpose(0, 1), t, cache_only=t + 1 < len(tokens)
                              and not features_of_all)
             if x is not None:
@@ -138,6 +158,7 @@ class OneRowSteps:
                 if decoder.project_out_dim is not None:
                     x = decoder.project_out_dim(x)
                 features.append(x)
+        self.fed = list(tokens)
         return features
 
     def _layers(self, x: Tensor, t: int, cache_only: bool) -> Optional[Tensor]:
