@@ -25,6 +25,10 @@ from fairseq_pardec.decoding.step.native import LAYER_DIMS, LAYER_STATE, LAYER_W
 from fairseq_pardec.models.decoder_inputs import plain_input
 
 
+# the slots of native_layers.c's dims (its enum D_*) that change from call to call
+_ROWS, _BATCH, _LENGTH, _FIRST, _CAPACITY, _SOURCE, _THREADS = 1, 2, 3, 4, 5, 12, 14
+
+
 def _address(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -144,8 +148,9 @@ class NativeLayerStack:
                 int(self.encoder))
             return ctypes.addressof(table), table
         table, address = dims
-        table[1], table[2], table[3], table[4], table[5] = rows, batch, length, first, capacity
-        table[12], table[14] = source, threads
+        table[_ROWS], table[_BATCH], table[_LENGTH] = rows, batch, length
+        table[_FIRST], table[_CAPACITY] = first, capacity
+        table[_SOURCE], table[_THREADS] = source, threads
         return address, table
 
     def _run(self, x: Tensor, state, index, masked, enc_attend, batch, length, first, capacity,
