@@ -110,13 +110,13 @@ def test_close_call_replays_count_one_read_each(monkeypatch):
 
 
 # drafter models on the device (gad's GLAT drafter, blockwise decoding's heads), untrained: the
-# counts as measured (7 in most iterations), the engine's read included; they too may only go
-# down. Besides the engine's read and its read of the drafts: gad, fairseq's decoder of the
+# counts as measured (7 and 6 in most iterations), the engine's read included; they too may only
+# go down. Besides the engine's read and its read of the drafts: gad, fairseq's decoder of the
 # drafter (4, its layers' padding checks) and the drafts' width (int(n_prefix.max())); blockwise,
-# the caps on the host fed with device tensors (4) and the drafts' width.
+# the caps on the host fed with device tensors (4; on CUDA the caps stay on the device).
 MODEL_DRAFTER_BOUNDS = {
     "gad": (8, 7.25, 8),
-    "blockwise": (8, 7.25, 4),
+    "blockwise": (7, 6.25, 4),
 }
 
 

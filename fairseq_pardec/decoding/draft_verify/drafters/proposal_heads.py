@@ -47,7 +47,12 @@ class HeadsDrafter(Drafter):
 
     def propose(self, rows, tokens, n_out, max_len):
         lengths = torch.minimum(self.next_len[rows], max_len)
-        width = int(lengths.max()) if lengths.numel() else 0
+        # every head's column: the engine reads the lengths with the drafts and keeps each
+        # row's own, so the widest row's length need not be read from the device first (with
+        # --sampling the drafts' distributions are cut to it, as the block is)
+        width = self.next_draft.size(1)
+        if self.sampler is not None:
+            width = int(lengths.max()) if lengths.numel() else 0
         draft = self.next_draft[rows, :width]
         cols = torch.arange(width, device=draft.device)
         draft = draft.masked_fill(cols.unsqueeze(0) >= lengths.unsqueeze(1), self.pad)
