@@ -32,15 +32,17 @@ def position_embeddings(decoder, positions: Tensor) -> Optional[Tensor]:
     ).detach()
 
 
-def plain_input(decoder) -> bool:
-    """True when :func:`embed_at` is just the scaled token row plus the position row: a plain
-    float32 ``nn.Embedding`` table, no input projection, layer norm, quantisation noise or active
-    dropout on the way in (the fast step then reads the two tables directly)."""
-    table = decoder.embed_tokens
-    dropout = decoder.dropout_module
+def plain_input(module) -> bool:
+    """True when a decoder's :func:`embed_at` (or a Transformer encoder's embedding) is just the
+    scaled token row plus the position row: a plain float32 ``nn.Embedding`` table, no input
+    projection, layer norm, quantisation noise or active dropout on the way in (the fast step
+    and encoder then read the two tables directly). An encoder has no input projection."""
+    table = module.embed_tokens
+    dropout = module.dropout_module
     return (type(table) is torch.nn.Embedding and table.max_norm is None
-            and table.weight.dtype == torch.float32 and decoder.quant_noise is None
-            and decoder.project_in_dim is None and decoder.layernorm_embedding is None
+            and table.weight.dtype == torch.float32 and module.quant_noise is None
+            and getattr(module, "project_in_dim", None) is None
+            and module.layernorm_embedding is None
             and not dropout.training and not dropout.apply_during_inference)
 
 

@@ -59,19 +59,6 @@ def fast_encoder_supported(encoder) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
-def _plain_encoder_input(encoder) -> bool:
-    """True when ``forward_embedding`` is just the scaled token row plus the position row: a
-    plain float32 ``nn.Embedding`` table, no layer norm, quantisation noise or active dropout
-    on the way in (models/decoder_inputs.plain_input's test, for an encoder)."""
-    table = encoder.embed_tokens
-    dropout = encoder.dropout_module
-    return (type(table) is torch.nn.Embedding and table.max_norm is None
-            and table.weight.dtype == torch.float32
-            and type(encoder).forward_embedding is TransformerEncoderBase.forward_embedding
-            and encoder.quant_noise is None and encoder.layernorm_embedding is None
-            and not dropout.training and not dropout.apply_during_inference)
-
-
 class _EncoderLayer:
     """One encoder layer's weights in the layout the fast encoder multiplies with."""
 
@@ -179,10 +166,10 @@ class FastEncoder:
         the encoder's way in is just those two tables; (None, None) elsewhere. fairseq's module
         path numbers the positions and reads the tables in a dozen small torch operations."""
         enc = self.encoder
-        if not _plain_encoder_input(enc):
+        if type(enc).forward_embedding is not TransformerEncoderBase.forward_embedding:
             return None, None
         length = src_tokens.size(1)
-        tables = stack.input_tables(enc, length + enc.padding_idx + 1, plain=True)
+        tables = stack.input_tables(enc, length + enc.padding_idx + 1)
         if tables is None:
             return None, None
         x = stack.block_input(enc, src_tokens, src_tokens.new_zeros(1), None, length, 0, tables)

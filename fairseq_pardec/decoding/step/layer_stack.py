@@ -166,13 +166,13 @@ class NativeLayerStack:
         return out
 
     @staticmethod
-    def input_tables(decoder, needed: int, plain: bool = False):
-        """The two tables the decoder's input adds up (its token embedding's weight, and its
-        position table of at least ``needed`` rows or None), where its way in is just those
-        (``plain``: the caller has checked that); None where it is not or the position table
-        is shorter (the torch path then runs, and says what is wrong)."""
+    def input_tables(decoder, needed: int):
+        """The two tables the decoder's (or encoder's) input adds up (its token embedding's
+        weight, and its position table of at least ``needed`` rows or None), where its way in
+        is just those; None where it is not or the position table is shorter (the torch path
+        then runs, and says what is wrong)."""
         table = decoder.embed_tokens
-        if not (plain or plain_input(decoder)) or not table.weight.is_contiguous():
+        if not plain_input(decoder) or not table.weight.is_contiguous():
             return None
         positions = _position_table(decoder, needed)
         if positions is False or (positions is not None and positions.size(0) < needed):
