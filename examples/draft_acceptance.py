@@ -34,17 +34,17 @@ def tokens_per_iteration(make_drafter, sources, outputs, ids, eos):
     tokens = iterations = 0
     for i in ids:
         drafter = make_drafter()
-        drafter.start({"net_input": {"src_tokens": sources[i].unsqueeze(0)}}, None, eos)
+        state = drafter.start({"net_input": {"src_tokens": sources[i].unsqueeze(0)}}, None, eos)
         target, kept = outputs[i], [eos]
         while len(kept) - 1 < len(target):
             n = len(kept) - 1
-            draft, length = drafter.propose(torch.tensor([0]), torch.tensor([kept]), torch.tensor([n]),
-                                            torch.tensor([len(target) - n - 1]))
+            draft, length = drafter.propose(state, torch.tensor([0]), torch.tensor([kept]),
+                                            torch.tensor([n]), torch.tensor([len(target) - n - 1]))
             draft = draft[0, : int(length[0])].tolist()
             accepted = 0
             while accepted < len(draft) and draft[accepted] == target[n + accepted]:
                 accepted += 1
-            drafter.observe(torch.tensor([0]), None, torch.tensor([accepted]))
+            drafter.observe(state, torch.tensor([0]), None, torch.tensor([accepted]))
             kept += target[n: n + accepted + 1]  # the accepted drafts and the verifier's token
             iterations += 1
         tokens += len(target)

@@ -55,7 +55,7 @@ def main():
         def __init__(self, k):
             self.k = k
 
-        def propose(self, rows, tokens, n_out, max_len):
+        def propose(self, state, rows, tokens, n_out, max_len):
             lengths = torch.clamp(max_len, max=self.k).tolist()
             return pad_drafts([[token] * n for n in lengths], dictionary.pad(), tokens.device)
 

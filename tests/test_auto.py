@@ -112,9 +112,9 @@ def test_a_drafter_that_drafts_nothing_is_not_asked(name):
     asked = []
     propose = drafter.propose
 
-    def counting(rows, *args):
+    def counting(state, rows, *args):
         asked.append(rows.numel())
-        return propose(rows, *args)
+        return propose(state, rows, *args)
 
     drafter.propose = counting
     generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), max_len_a=1.2,

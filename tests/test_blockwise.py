@@ -141,15 +141,16 @@ def test_adaptive_caps_follow_acceptance(trained_heads):
     _, model, task, make_sample = trained_heads
     drafter = HeadsDrafter(model.decoder, task.target_dictionary.pad(), 4, adaptive=True)
     sample = make_sample(2, seed=7)
-    drafter.start(sample, None, task.target_dictionary.eos())
+    state = drafter.start(sample, None, task.target_dictionary.eos())
     rows = torch.arange(2)
     features = torch.randn(2, model.decoder.output_embed_dim)
-    drafter.observe(rows, features, torch.zeros(2, dtype=torch.long))  # first call: no draft
-    assert drafter.next_len.tolist() == [3, 3]
+    # first call: no draft
+    drafter.observe(state, rows, features, torch.zeros(2, dtype=torch.long))
+    assert state.next_len.tolist() == [3, 3]
     for _ in range(4):  # row 0 accepts nothing, row 1 everything
-        draft, lengths = drafter.propose(rows, None, None, torch.full((2,), 10))
-        drafter.observe(rows, features, torch.tensor([0, int(lengths[1])]))
-    assert drafter.next_len.tolist() == [1, 3]
+        draft, lengths = drafter.propose(state, rows, None, None, torch.full((2,), 10))
+        drafter.observe(state, rows, features, torch.tensor([0, int(lengths[1])]))
+    assert state.next_len.tolist() == [1, 3]
 
 
 @pytest.mark.trains

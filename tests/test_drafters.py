@@ -13,55 +13,56 @@ from helpers import collate, make_dictionary
 
 
 def drafter_for(source_words, d, block_size=None, tgt=None):
+    """A copy drafter started on one sentence, and the batch's state."""
     drafter = CopyDrafter(d, tgt or d, block_size)
     src = torch.tensor([d.index(w) for w in source_words] + [d.eos()])
-    drafter.start(collate(d, [src]), None, d.eos())
-    return drafter
+    return drafter, drafter.start(collate(d, [src]), None, d.eos())
 
 
-def propose(drafter, d, output_words, limit=100, tgt=None):
+def propose(started, d, output_words, limit=100, tgt=None):
+    drafter, state = started
     tgt = tgt or d
     toks = torch.tensor([[tgt.eos()] + [tgt.index(w) for w in output_words]])
-    draft, n = drafter.propose(torch.tensor([0]), toks, torch.tensor([len(output_words)]),
-                               torch.tensor([limit]))
+    draft, n = drafter.propose(state, torch.tensor([0]), toks,
+                               torch.tensor([len(output_words)]), torch.tensor([limit]))
     return [tgt[i] for i in draft[0, : int(n[0])].tolist()]
 
 
 def test_initial_draft_is_whole_source_with_eos():
     d = make_dictionary(20)
-    drafter = drafter_for(["w1", "w2", "w3"], d)
-    assert propose(drafter, d, []) == ["w1", "w2", "w3", "</s>"]
+    started = drafter_for(["w1", "w2", "w3"], d)
+    assert propose(started, d, []) == ["w1", "w2", "w3", "</s>"]
 
 
 def test_unique_suffix_match_and_block_size():
     d = make_dictionary(20)
-    drafter = drafter_for(["w1", "w2", "w3", "w4", "w5"], d)
+    started = drafter_for(["w1", "w2", "w3", "w4", "w5"], d)
     # output diverged ("w9" inserted) then returned to the source at w3
-    assert propose(drafter, d, ["w1", "w9", "w3"]) == ["w4", "w5", "</s>"]
-    assert propose(drafter, d, ["w1", "w9", "w3"], limit=2) == ["w4", "w5"]
+    assert propose(started, d, ["w1", "w9", "w3"]) == ["w4", "w5", "</s>"]
+    assert propose(started, d, ["w1", "w9", "w3"], limit=2) == ["w4", "w5"]
     capped = drafter_for(["w1", "w2", "w3", "w4", "w5"], d, block_size=1)
     assert propose(capped, d, ["w1", "w9", "w3"]) == ["w4"]
 
 
 def test_no_occurrence_gives_no_draft():
     d = make_dictionary(20)
-    drafter = drafter_for(["w1", "w2"], d)
-    assert propose(drafter, d, ["w7"]) == []
+    started = drafter_for(["w1", "w2"], d)
+    assert propose(started, d, ["w7"]) == []
 
 
 def test_ambiguous_token_disambiguated_by_longer_suffix():
     d = make_dictionary(20)
-    drafter = drafter_for(["w1", "w0", "w2", "w3", "w0", "w4"], d)
-    assert propose(drafter, d, ["w1", "w0"]) == ["w2", "w3", "w0", "w4", "</s>"]
-    assert propose(drafter, d, ["w1", "w0", "w2", "w3", "w0"]) == ["w4", "</s>"]
+    started = drafter_for(["w1", "w0", "w2", "w3", "w0", "w4"], d)
+    assert propose(started, d, ["w1", "w0"]) == ["w2", "w3", "w0", "w4", "</s>"]
+    assert propose(started, d, ["w1", "w0", "w2", "w3", "w0"]) == ["w4", "</s>"]
 
 
 def test_ambiguous_everywhere_prefers_occurrence_after_previous_match():
     d = make_dictionary(20)
-    drafter = drafter_for(["w1", "w0", "w2", "w0", "w3"], d)
-    assert propose(drafter, d, ["w1"]) == ["w0", "w2", "w0", "w3", "</s>"]  # matched at 1
+    started = drafter_for(["w1", "w0", "w2", "w0", "w3"], d)
+    assert propose(started, d, ["w1"]) == ["w0", "w2", "w0", "w3", "</s>"]  # matched at 1
     # "w9 w0" is ambiguous at every length: take the first w0 at or after the last match
-    assert propose(drafter, d, ["w1", "w0", "w2", "w9", "w0"]) == ["w3", "</s>"]
+    assert propose(started, d, ["w1", "w0", "w2", "w9", "w0"]) == ["w3", "</s>"]
 
 
 def test_separate_dictionaries_map_by_string_and_skip_unknown():
@@ -73,37 +74,40 @@ def test_separate_dictionaries_map_by_string_and_skip_unknown():
     assert mapping(ids).tolist() == [tgt.index("w3"), -1, tgt.eos()]
     drafter = CopyDrafter(src, tgt)
     s = torch.tensor([src.index("w1"), src.index("w2"), src.index("src_only"), src.index("w3"), src.eos()])
-    drafter.start(collate(src, [s], tgt_dict=tgt), None, tgt.eos())
+    state = drafter.start(collate(src, [s], tgt_dict=tgt), None, tgt.eos())
     # the token the target lacks is left out; copying goes on after it
-    assert propose(drafter, src, [], tgt=tgt)[:3] == ["w1", "w2", "w3"]
+    assert propose((drafter, state), src, [], tgt=tgt)[:3] == ["w1", "w2", "w3"]
 
 
 def test_adaptive_cap_follows_each_rows_acceptance():
     d = make_dictionary(20)
-    drafter = drafter_for(["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"], d, block_size=6)
+    started = drafter_for(["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"], d, block_size=6)
+    drafter, state = started
     drafter.adaptive = True
-    assert propose(drafter, d, []) == ["w1", "w2", "w3", "w4", "w5", "w6"]  # no history: the cap
-    drafter.observe(None, None, torch.tensor([0]))  # first draft token rejected
-    assert propose(drafter, d, ["w9"]) == []  # w9 is not in the source: no draft, no update
-    drafter.observe(None, None, torch.tensor([0]))
-    assert drafter.caps.mean[0] == 0
-    assert propose(drafter, d, ["w9", "w2"]) == ["w3"]  # 2 * 0 + 1
-    drafter.observe(None, None, torch.tensor([1]))  # accepted: mean 0.5 -> cap 2
-    assert propose(drafter, d, ["w9", "w2", "w3"]) == ["w4", "w5"]
-    drafter.observe(None, None, torch.tensor([2]))  # mean 1.25 -> cap 3
-    assert propose(drafter, d, ["w9", "w2", "w3", "w4", "w5"]) == ["w6", "w7", "w8"]
+    assert propose(started, d, []) == ["w1", "w2", "w3", "w4", "w5", "w6"]  # no history: the cap
+    drafter.observe(state, None, None, torch.tensor([0]))  # first draft token rejected
+    assert propose(started, d, ["w9"]) == []  # w9 is not in the source: no draft, no update
+    drafter.observe(state, None, None, torch.tensor([0]))
+    assert state.caps.mean[0] == 0
+    assert propose(started, d, ["w9", "w2"]) == ["w3"]  # 2 * 0 + 1
+    drafter.observe(state, None, None, torch.tensor([1]))  # accepted: mean 0.5 -> cap 2
+    assert propose(started, d, ["w9", "w2", "w3"]) == ["w4", "w5"]
+    drafter.observe(state, None, None, torch.tensor([2]))  # mean 1.25 -> cap 3
+    assert propose(started, d, ["w9", "w2", "w3", "w4", "w5"]) == ["w6", "w7", "w8"]
     # a fixed --block-size is the user's: no adaptation
-    fixed = drafter_for(["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"], d, block_size=6)
-    fixed.observe(None, None, torch.tensor([0]))
-    assert propose(fixed, d, ["w9", "w2"]) == ["w3", "w4", "w5", "w6", "w7", "w8"]
+    fixed, fixed_state = drafter_for(["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"], d,
+                                     block_size=6)
+    fixed.observe(fixed_state, None, None, torch.tensor([0]))
+    assert propose((fixed, fixed_state), d, ["w9", "w2"]) == ["w3", "w4", "w5", "w6", "w7", "w8"]
 
 
 class FullBufferCopyDrafter(CopyDrafter):
     """The rule reading each row's whole output from the buffer every call (the reference)."""
 
-    def _read_new_tokens(self, row_ids, tokens, n_out):
+    @staticmethod
+    def _read_new_tokens(state, row_ids, tokens, n_out):
         for i, (row, n) in enumerate(zip(row_ids, n_out)):
-            self.outputs[row] = tokens[i, : n + 1].tolist()
+            state.outputs[row] = tokens[i, : n + 1].tolist()
 
 
 def test_incremental_reading_proposes_the_full_buffer_rules_drafts():
@@ -117,16 +121,15 @@ def test_incremental_reading_proposes_the_full_buffer_rules_drafts():
         sample = collate(d, [torch.cat([s, torch.tensor([d.eos()])]) for s in sources])
         adaptive = trial % 2 == 0
         ours, ref = CopyDrafter(d, d, adaptive=adaptive), FullBufferCopyDrafter(d, d, adaptive=adaptive)
-        for drafter in (ours, ref):
-            drafter.start(sample, None, d.eos())
+        states = {drafter: drafter.start(sample, None, d.eos()) for drafter in (ours, ref)}
         rows = torch.arange(bsz)
         tokens = torch.full((bsz, 40), d.pad())
         tokens[:, 0] = d.eos()
         n_out = torch.zeros(bsz, dtype=torch.long)
         while rows.numel() and int(n_out.max()) < 30:
             room = 30 - n_out
-            a, a_len = ours.propose(rows, tokens, n_out, room)
-            b, b_len = ref.propose(rows, tokens, n_out, room)
+            a, a_len = ours.propose(states[ours], rows, tokens, n_out, room)
+            b, b_len = ref.propose(states[ref], rows, tokens, n_out, room)
             assert torch.equal(a, b) and torch.equal(a_len, b_len)
             # accept a random prefix of each draft, then one token of the "verifier"
             acc = torch.stack([torch.randint(0, int(n) + 1, (1,), generator=g)[0] for n in a_len])
@@ -135,22 +138,23 @@ def test_incremental_reading_proposes_the_full_buffer_rules_drafts():
                 tokens[i, int(n_out[i]) + 1 : int(n_out[i]) + 1 + len(new)] = torch.tensor(new)
                 n_out[i] += len(new)
             for drafter in (ours, ref):
-                drafter.observe(rows, None, acc)
+                drafter.observe(states[drafter], rows, None, acc)
             alive = torch.rand(rows.numel(), generator=g) > 0.15
             rows, tokens, n_out = rows[alive], tokens[alive], n_out[alive]
 
 
 def test_cpu_ceiling_shrinks_with_the_active_rows():
     d = make_dictionary(12)
-    drafter = drafter_for(["w1", "w2"], d)
-    assert [drafter._ceiling(b) for b in (1, 4, 8, 11, 32)] == [16, 16, 8, 6, 6]
-    assert drafter_for(["w1"], d, block_size=3)._ceiling(32) == 3  # --block-size: fixed
-    drafter.on_cpu = False
+    drafter, state = drafter_for(["w1", "w2"], d)
+    assert [drafter._ceiling(state, b) for b in (1, 4, 8, 11, 32)] == [16, 16, 8, 6, 6]
+    fixed, fixed_state = drafter_for(["w1"], d, block_size=3)
+    assert fixed._ceiling(fixed_state, 32) == 3  # --block-size: fixed
+    state.on_cpu = False
     # GPU: a longer block is about as cheap, but the log-probs it holds are not: a budget of
     # positions per iteration bounds the first block (no history yet) of a wide batch; each
     # ceiling is 2^k - 1 drafts, so that with the row's last token a block fills its bucket of
     # the CUDA step's graphs (16 drafts would run 17 columns on 32)
-    assert [drafter._ceiling(b) for b in (1, 3, 64, 100, 1000)] == [2047, 511, 31, 15, 15]
+    assert [drafter._ceiling(state, b) for b in (1, 3, 64, 100, 1000)] == [2047, 511, 31, 15, 15]
 
 
 def test_generate_time_refusals_name_the_generator():
@@ -246,18 +250,18 @@ def test_cpu_price_of_a_position_grows_with_the_active_rows():
     8 rows (not even a probe: no position pays there); --block-size, or CPU_PRICES None, leaves
     the caps to acceptance alone."""
     d = make_dictionary(12)
-    drafter = drafter_for(["w%d" % i for i in range(1, 12)], d)
+    drafter, state = drafter_for(["w%d" % i for i in range(1, 12)], d)
     drafter.adaptive = True
     rows = list(range(32))
-    drafter.caps = AdaptiveCaps(32, float("inf"), "cpu")
+    state.caps = AdaptiveCaps(32, float("inf"), "cpu")
     room = torch.full((32,), 100)
-    one = drafter._row_caps(rows[:1], room[:1], 100)[0]
+    one = drafter._row_caps(state, rows[:1], room[:1], 100)[0]
     assert one == int(math.log(drafter.CPU_PRICES.threshold(1)) / math.log(0.95))
     assert drafter.CPU_PRICES.threshold(8) >= 1.0 > drafter.CPU_PRICES.threshold(7)
     for _ in range(3 * AdaptiveCaps.LONGEST_PROBE_WAIT):
-        assert drafter._row_caps(rows, room, 100) == [0] * 32
+        assert drafter._row_caps(state, rows, room, 100) == [0] * 32
     # the engine need not ask while 32 rows are left
-    assert (drafter.quiet.rows, drafter.quiet.remaining) == (32, math.inf)
+    assert (state.quiet.rows, state.quiet.remaining) == (32, math.inf)
     drafter.CPU_PRICES = None
-    assert drafter._row_caps(rows, room, 100) == [100] * 32
+    assert drafter._row_caps(state, rows, room, 100) == [100] * 32
 

@@ -119,7 +119,7 @@ class RandomDrafter(Drafter):
         self.vocab, self.pad = vocab, pad
         self.g = torch.Generator().manual_seed(seed)
 
-    def propose(self, rows, tokens, n_out, max_len):
+    def propose(self, state, rows, tokens, n_out, max_len):
         drafts = []
         for limit in max_len.tolist():
             n = int(torch.randint(0, 9, (1,), generator=self.g))

@@ -90,12 +90,12 @@ def test_cached_drafting_equals_full_forward(copy_model, reads_verifier, step):
     sample = make_sample(6, seed=11)
     net = sample["net_input"]
     encoder_out = verifier.encoder.forward_torchscript(net)
-    drafter.start(sample, encoder_out, d.eos())
+    state = drafter.start(sample, encoder_out, d.eos())
     seen, finish = [], drafter._finish
 
-    def keep_logits(logits, cap):  # the slot logits the draft is read from
+    def keep_logits(state, logits, cap):  # the slot logits the draft is read from
         seen.append(logits)
-        return finish(logits, cap)
+        return finish(state, logits, cap)
 
     drafter._finish = keep_logits
     full_encoder = model.encode(net["src_tokens"], net["src_lengths"])
@@ -108,7 +108,7 @@ def test_cached_drafting_equals_full_forward(copy_model, reads_verifier, step):
     rows = torch.arange(bsz)
     for it in range(7):
         room = max_len - n_out
-        drafter.propose(rows, tokens, n_out, room)
+        drafter.propose(state, rows, tokens, n_out, room)
         got = seen[-1]
         inputs, slots = model.draft_inputs(tokens, n_out, 4)
         enc = model.encoder.reorder_encoder_out(full_encoder, rows)

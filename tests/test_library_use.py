@@ -180,9 +180,9 @@ def test_unmappable_source_token_is_skipped_not_the_end_of_copying():
     w = [src.index("w%d" % i) for i in (1, 2, 3, 4)]
     tokens = torch.tensor([[w[0], w[1], lacking, w[2], w[3], src.eos()]])
     drafter = CopyDrafter(src, tgt)
-    drafter.start({"net_input": {"src_tokens": tokens}}, None, tgt.eos())
+    state = drafter.start({"net_input": {"src_tokens": tokens}}, None, tgt.eos())
     t = [tgt.index("w%d" % i) for i in (1, 2, 3, 4)]
-    assert drafter.sources[0] == [tgt.eos()] + t + [tgt.eos()]
+    assert state.sources[0] == [tgt.eos()] + t + [tgt.eos()]
 
 
 def test_building_and_dropping_generators_frees_their_models(monkeypatch):

@@ -86,9 +86,9 @@ def test_from_file_reads_subword_text_and_refuses_bad_input(tmp_path, monkeypatc
 # --------------------------------------------------------------------------- the drafter's choices
 def drafts_after(drafter, sample, output, cap=8):
     """The draft proposed for row 0 after ``output`` (BOS excluded) was accepted."""
-    drafter.start(sample, None, EOS)
+    state = drafter.start(sample, None, EOS)
     tokens = torch.tensor([[EOS] + output])
-    draft, length = drafter.propose(torch.tensor([0]), tokens, torch.tensor([len(output)]),
+    draft, length = drafter.propose(state, torch.tensor([0]), tokens, torch.tensor([len(output)]),
                                     torch.tensor([cap]))
     return draft[0, : int(length[0])].tolist()
 

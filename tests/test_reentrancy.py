@@ -41,8 +41,8 @@ def _recording(drafter):
     drafts = {}
     propose = drafter.propose
 
-    def recorded(rows, tokens, n_out, max_len):
-        draft, length = propose(rows, tokens, n_out, max_len)
+    def recorded(state, rows, tokens, n_out, max_len):
+        draft, length = propose(state, rows, tokens, n_out, max_len)
         drafts.setdefault(threading.get_ident(), []).append((draft.tolist(), length.tolist()))
         time.sleep(0.002)
         return draft, length

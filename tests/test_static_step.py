@@ -326,9 +326,9 @@ def test_cached_drafter_on_the_static_step():
         drafter.blocks = step_kind(drafter_model.decoder)
         seen, finish = [], drafter._finish
 
-        def keep_logits(logits, cap, seen=seen, finish=finish):
+        def keep_logits(state, logits, cap, seen=seen, finish=finish):
             seen.append(logits.clone())
-            return finish(logits, cap)
+            return finish(state, logits, cap)
 
         drafter._finish = keep_logits
         generator = on_static_step(

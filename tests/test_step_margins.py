@@ -64,7 +64,7 @@ class AlwaysDrafts(Drafter):
         self.vocab, self.pad = vocab, pad
         self.g = torch.Generator().manual_seed(0)
 
-    def propose(self, rows, tokens, n_out, max_len):
+    def propose(self, state, rows, tokens, n_out, max_len):
         drafts = [torch.randint(4, self.vocab, (min(2, room),), generator=self.g).tolist()
                   for room in max_len.tolist()]
         return pad_drafts(drafts, self.pad, tokens.device)

@@ -62,14 +62,15 @@ class SentenceDrafts:
 
     def __init__(self, drafter: AutoDrafter, src_tokens: torch.Tensor, bos: int):
         self.drafter = drafter
-        drafter.start({"net_input": {"src_tokens": src_tokens.view(1, -1)}}, None, bos)
+        self.state = drafter.start({"net_input": {"src_tokens": src_tokens.view(1, -1)}},
+                                   None, bos)
         # BOS + the prefix so far: the drafter's own record of the row's output, which
         # decoding extends with each iteration's accepted tokens
-        self.output = drafter.outputs[0]
+        self.output = self.state.outputs[0]
 
     def draft(self, kind: str, prefix: Sequence[int], cap: int) -> List[int]:
         self.output.extend(prefix[len(self.output) - 1:])
-        return self.drafter.cheap_draft(kind, 0, len(prefix), cap)
+        return self.drafter.cheap_draft(self.state, kind, 0, len(prefix), cap)
 
 
 def walk(drafts: SentenceDrafts, output: Sequence[int], kinds, cap: int,

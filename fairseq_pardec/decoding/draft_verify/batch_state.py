@@ -74,6 +74,8 @@ class Batch:
         self.views()
         self.cache = step.new_state(max_len=max_len)
         self.backoff = DraftBackoff(bsz) if generator.backoff else None
+        # the drafter's state for this batch (Drafter.start)
+        self.drafts = None
         # row count -> a block without drafts, less its tokens (Block.last_tokens)
         self.plain_blocks = {}
         # (row count, width) -> what a block whose rows draft as many tokens shares

@@ -227,30 +227,30 @@ class DraftVerifyGenerator(StatsGenerator):
         with batch.encoder_timer:
             batch.set_encoder_out(encode(net_input))
         with batch.drafter_timer:
-            self.drafter.start(sample, batch.encoder_out, bos)
+            batch.drafts = self.drafter.start(sample, batch.encoder_out, bos)
         return batch
 
     def _draft(self, batch: Batch) -> Block:
         """1. Up to the room left before EOS is forced, the drafter's tokens for every row
         (a row inside its --prefix-size prefix drafts the prefix)."""
-        drafter = self.drafter
+        drafter, state = self.drafter, batch.drafts
         if batch.prefix is None or batch.prefix.size(1) == 0:
             # a drafter that knows it drafts nothing now is not asked (drafts_now); nor is one
             # whose every row waits in the back-off
-            if drafter.drafts_nothing or not drafter.drafts_now(len(batch.rows_host)):
+            if drafter.drafts_nothing or not drafter.drafts_now(state, len(batch.rows_host)):
                 return Block.last_tokens(batch, self.pad, proposed=False)
             if (drafter.quiet_spells and batch.backoff is not None
                     and batch.backoff.waiting(batch.iteration)):
                 # a drafter with quiet spells counts such iterations itself; one without
                 # (heads, gad) is asked and shown each iteration as before
-                drafter.skip(len(batch.rows_host))
+                drafter.skip(state, len(batch.rows_host))
                 return Block.last_tokens(batch, self.pad, proposed=False)
         room = batch.max_len - batch.n_out_host
         if batch.backoff is not None:  # the back-off lives on the host (backoff.py)
             room = batch.backoff.room(room, batch.iteration)
         with batch.drafter_timer:
             drafts = self._propose(batch, room)
-        q = drafter.draft_probs if self.sampler is not None else None
+        q = state.draft_probs if self.sampler is not None else None
         drafts, q = batch.prefix_drafts(drafts, q)
         if not any(drafts) and q is None:  # no row drafted: a plain step
             return Block.last_tokens(batch, self.pad)
@@ -259,18 +259,20 @@ class DraftVerifyGenerator(StatsGenerator):
     def _propose(self, batch: Batch, room: Tensor) -> List[List[int]]:
         """The drafter's drafts as lists. A drafter on the host reads the host's tables; one on
         the device (a drafter model) gets their copies, and its drafts are read."""
-        drafter = self.drafter
+        drafter, state = self.drafter, batch.drafts
         if drafter.on_device:  # (the token table is copied for a drafter that reads it)
             device, tokens = batch.device, batch.tokens if drafter.reads_tokens else None
-            draft, lengths = drafter.propose(batch.rows, tokens if tokens is None else to_device(
-                tokens, device), batch.n_out, to_device(room, device))
+            if tokens is not None:
+                tokens = to_device(tokens, device)
+            draft, lengths = drafter.propose(state, batch.rows, tokens, batch.n_out,
+                                             to_device(room, device))
             host = self.read(torch.cat([lengths.unsqueeze(1), draft], 1)).tolist()
             return [row[1: 1 + row[0]] for row in host]
-        draft, lengths = drafter.propose(torch.tensor(batch.rows_host), batch.tokens,
+        draft, lengths = drafter.propose(state, torch.tensor(batch.rows_host), batch.tokens,
                                          batch.n_out_host, room)
-        lists = drafter.host_drafts
+        lists = state.host_drafts
         if lists is not None:
-            drafter.host_drafts = None
+            state.host_drafts = None
             return lists
         return [row[:n] for row, n in zip(draft.tolist(), lengths.tolist())]
 
@@ -349,7 +351,7 @@ class DraftVerifyGenerator(StatsGenerator):
         if drafter.on_device:
             rows, last = batch.rows, to_device(last, device)
         with batch.drafter_timer:
-            drafter.observe(rows, last_features, last, last_tokens)
+            drafter.observe(batch.drafts, rows, last_features, last, last_tokens)
 
     def _retire(self, batch: Batch, outcome):
         """5. Finalize the rows that emitted EOS and drop them."""

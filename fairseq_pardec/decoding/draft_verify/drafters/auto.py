@@ -27,7 +27,8 @@ import torch
 
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
                                                                 ProbeSchedule, QuietSpell)
-from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
+from fairseq_pardec.decoding.draft_verify.drafters.lookup import (LookupDrafter, LookupState,
+                                                                  NgramTable)
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (IterationPrices,
                                                                   MeasuredPrices, draft_gain,
                                                                   paying_length)
@@ -36,12 +37,24 @@ COPY, LOOKUP, NGRAM = "copy", "lookup", "ngram"
 NONE = "none"  # a row-iteration without a draft (statistics)
 
 
+class AutoState(LookupState):
+    """One batch's values of ``auto``: a lookup drafter's, and per drafter kind its rows'
+    estimates, per row the last choice and its probes, and the drafter model's own state."""
+
+    def __init__(self):
+        super().__init__()
+        self.kind_caps = {}  # kind -> the rows' AdaptiveCaps for that drafter
+        self.chosen = []  # per batch row: (kind, draft length) of the last propose, or None
+        self.row_probes = None  # the rows' ProbeSchedule, whichever drafter they probe
+        self.model = None  # the drafter model's DraftState
+        self.model_device = None
+
+
 class AutoDrafter(LookupDrafter):
     """Chooses, per row and iteration, among copy, lookup, n-gram and an optional drafter model
     (see the module's text)."""
 
-    BATCH_STATE = dict(LookupDrafter.BATCH_STATE, kind_caps=None, chosen=None, row_probes=None,
-                       model_device=None)
+    State = AutoState
     # most iterations a quiet spell lasts under measured prices (they must go on measuring)
     LONGEST_MEASURED_QUIET = 64
 
@@ -66,40 +79,41 @@ class AutoDrafter(LookupDrafter):
         if self.model is not None:
             self.model.set_sampler(sampler, temperature)
 
-    def start(self, sample, encoder_out, bos: int):
-        super().start(sample, encoder_out, bos)
-        rows = len(self.sources)
-        self.kind_caps = {kind: AdaptiveCaps(rows, float("inf"), "cpu", self.histories[kind])
+    def start(self, sample, encoder_out, bos: int) -> AutoState:
+        state = super().start(sample, encoder_out, bos)
+        rows = len(state.sources)
+        state.kind_caps = {kind: AdaptiveCaps(rows, float("inf"), "cpu", self.histories[kind])
                           for kind in self.kinds}
-        self.chosen = [None] * rows  # per batch row: (kind, draft length) of the last propose
+        state.chosen = [None] * rows  # per batch row: (kind, draft length) of the last propose
         # a row's probes try its most accepted cheap drafter, whichever: one schedule per row
-        self.row_probes = ProbeSchedule(rows, self.probe_history)
-        self.quiet, self.skipped = self._quiet_at_start(rows), 0
+        state.row_probes = ProbeSchedule(rows, self.probe_history)
+        state.quiet = self._quiet_at_start(state, rows)
         if self.model is not None:
-            self.model_device = sample["net_input"]["src_tokens"].device
-            self.model.start(sample, encoder_out, bos)
+            state.model_device = sample["net_input"]["src_tokens"].device
+            state.model = self.model.start(sample, encoder_out, bos)
+        return state
 
-    def _quiet_at_start(self, rows: int):
+    def _quiet_at_start(self, state: AutoState, rows: int):
         """A batch whose fresh rows would all draft nothing (no drafter's acceptance so far
         pays) starts quiet, until their first probe (see ``_quiet_after``)."""
         if self.model is not None or rows == 0:
             return None
         value, position, drafting_row = self.prices.prices(rows)
-        if value > position and self._options(0, self._ceiling(rows), value, position,
-                                              drafting_row, self.cheap):
+        if value > position and self._options(state, 0, self._ceiling(state, rows), value,
+                                              position, drafting_row, self.cheap):
             return None
-        spell = math.inf if value <= position else self.row_probes.wait[0]
+        spell = math.inf if value <= position else state.row_probes.wait[0]
         if self.prices.measured:
             spell = min(spell, self.LONGEST_MEASURED_QUIET)
         return QuietSpell(rows, spell)
 
     # ------------------------------------------------------------------ choosing
-    def _options(self, row: int, limit: int, value: float, position: float, drafting_row: float,
-                 kinds) -> List[tuple]:
+    def _options(self, state: AutoState, row: int, limit: int, value: float, position: float,
+                 drafting_row: float, kinds) -> List[tuple]:
         """(gain, kind, length) of each drafter whose draft pays for this row, best first."""
         options = []
         for kind in kinds:
-            caps = self.kind_caps[kind]
+            caps = state.kind_caps[kind]
             rate = caps.acceptance_rate(row)
             if rate * value <= position:  # not even a first token pays (most rows, at batch 32)
                 continue
@@ -111,85 +125,87 @@ class AutoDrafter(LookupDrafter):
         options.sort(key=lambda option: -option[0])
         return options
 
-    def _probe(self, row: int) -> List[tuple]:
+    def _probe(self, state: AutoState, row: int) -> List[tuple]:
         """After its wait, a row that drafts nothing tries one token of its cheap drafters,
         the most accepted first; the next probe waits twice as long."""
-        if not self.row_probes.probes_now(row):
+        if not state.row_probes.probes_now(row):
             return []
-        rates = [(self.kind_caps[kind].acceptance_rate(row), kind) for kind in self.cheap]
+        rates = [(state.kind_caps[kind].acceptance_rate(row), kind) for kind in self.cheap]
         rates.sort(key=lambda rate: -rate[0])
         return [(0.0, kind, 1) for _, kind in rates]
 
-    def cheap_draft(self, kind: str, row: int, n: int, length: int) -> List[int]:
+    def cheap_draft(self, state: AutoState, kind: str, row: int, n: int,
+                    length: int) -> List[int]:
         """Up to ``length`` tokens of the model-free drafter ``kind`` for ``row`` after its
         output so far (``n`` tokens; a copy match moves the row's expected place in the
         source); benchmark/draft_ceiling.py scores them on greedy outputs."""
-        output = self.outputs[row]
+        output = state.outputs[row]
         if kind == COPY:
-            at = self._match(row, output)
+            at = self._match(state, row, output)
             if at is None:
                 return []
-            self.last_match[row] = (at, n)
-            return self.sources[row][at + 1: at + 1 + length]
+            state.last_match[row] = (at, n)
+            return state.sources[row][at + 1: at + 1 + length]
         if kind == LOOKUP:
-            return self._local(row, length)
+            return self._local(state, row, length)
         return self.table.continuation(output, length)
 
     # ------------------------------------------------------------------ quiet spells
     # (a drafter model proposes from each verification: with one, no spell is ever set)
-    def _not_asked(self, active_rows: int):
+    def _not_asked(self, state: AutoState, active_rows: int):
         if self.prices.measured:
-            self.clock.open = None  # its time would span the iterations not asked
+            state.clock.open = None  # its time would span the iterations not asked
         self._count_none(active_rows)
 
-    def _catch_up(self):
+    def _catch_up(self, state: AutoState):
         """The iterations that passed without ``propose`` count towards the rows' probes."""
-        if self.skipped:
-            self.row_probes.skip(self.skipped)
-            self.skipped = 0
+        if state.skipped:
+            state.row_probes.skip(state.skipped)
+            state.skipped = 0
 
-    def _quiet_after(self, row_ids, limits, active: int, nothing_pays: bool):
+    def _quiet_after(self, state: AutoState, row_ids, limits, active: int, nothing_pays: bool):
         """After an iteration in which no row drafted or probed: for how many iterations none
         will (until a row's probe, or for good where not even a certain token pays)."""
-        spell = math.inf if nothing_pays else self.row_probes.quiet_for(row_ids, limits)
+        spell = math.inf if nothing_pays else state.row_probes.quiet_for(row_ids, limits)
         if self.prices.measured:
             spell = min(spell, self.LONGEST_MEASURED_QUIET)
-        self.quiet = QuietSpell(active, spell) if spell > 0 else None
+        state.quiet = QuietSpell(active, spell) if spell > 0 else None
 
-    def propose(self, rows, tokens, n_out, max_len):
-        began = self.clock.now()
-        self._catch_up()
+    def propose(self, state, rows, tokens, n_out, max_len):
+        began = state.clock.now()
+        self._catch_up(state)
         row_ids = rows.tolist()
         active = len(row_ids)
         value, position, drafting_row = self.prices.prices(active)
         if value <= position and self.model is None:
             # not even a certain token pays at this many rows (the CPU's prices from 8 rows):
             # no row drafts or probes, and the drafter stays quiet while the rows stay
-            self._quiet_after(row_ids, (), active, nothing_pays=True)
-            return self._nothing(rows, began)
+            self._quiet_after(state, row_ids, (), active, nothing_pays=True)
+            return self._nothing(state, rows, began)
         lengths = n_out.tolist()
-        ceiling = self._ceiling(active)
+        ceiling = self._ceiling(state, active)
         limits = [min(room, ceiling) for room in max_len.tolist()]
         # heads proposed after the last verification (their price is paid); gad's run is not
         model_kinds = [self.model_kind] if self.model is not None else []
         plans = []
         for row, limit in zip(row_ids, limits):
-            options = self._options(row, limit, value, position, drafting_row,
+            options = self._options(state, row, limit, value, position, drafting_row,
                                     self.cheap + model_kinds) if limit > 0 else []
             if options:
-                self.row_probes.drafted(row)
+                state.row_probes.drafted(row)
             elif limit > 0:
-                options = self._probe(row)
+                options = self._probe(state, row)
             plans.append(options)
         if not any(plans) and self.model is None:
-            self._quiet_after(row_ids, limits, active, nothing_pays=False)
-            return self._nothing(rows, began)
+            self._quiet_after(state, row_ids, limits, active, nothing_pays=False)
+            return self._nothing(state, rows, began)
         model_rows = self._model_rows(plans, active)
-        self._read_drafting_rows(row_ids, tokens, lengths, [len(p) for p in plans])
+        self._read_drafting_rows(state, row_ids, tokens, lengths, [len(p) for p in plans])
 
         model_drafts, model_q = None, None
         if model_rows:
-            model_drafts, model_q = self._model_drafts(rows, tokens, n_out, plans, model_rows)
+            model_drafts, model_q = self._model_drafts(state, rows, tokens, n_out, plans,
+                                                        model_rows)
         drafts, chosen = [], []
         for i, (row, n, options) in enumerate(zip(row_ids, lengths, plans)):
             draft, kind = [], None
@@ -197,21 +213,21 @@ class AutoDrafter(LookupDrafter):
                 if option == self.model_kind:
                     draft = model_drafts[i] if i in model_rows else []
                 else:
-                    draft = self.cheap_draft(option, row, n, length)
+                    draft = self.cheap_draft(state, option, row, n, length)
                 if draft:
                     kind = option
                     break
             drafts.append(draft)
             chosen.append(kind)
-            self.chosen[row] = (kind, len(draft)) if kind is not None else None
+            state.chosen[row] = (kind, len(draft)) if kind is not None else None
         self._count(chosen)
-        self.draft_probs = None
+        state.draft_probs = None
         if model_q is not None:
-            self.draft_probs = self._mixed_q(drafts, chosen, model_q, model_q.device)
+            state.draft_probs = self._mixed_q(drafts, chosen, model_q, model_q.device)
         if began is not None:
-            self.clock.tick(began, active, sum(len(d) for d in drafts),
+            state.clock.tick(began, active, sum(len(d) for d in drafts),
                             sum(1 for d in drafts if d), model=bool(model_rows) and not self.heads)
-        return self._drafts_out(rows, drafts, tokens.device, None)
+        return self._drafts_out(state, rows, drafts, tokens.device, None)
 
     def _model_rows(self, plans, active: int) -> set:
         """Rows that take the drafter model's draft: where it is their best option and, for
@@ -233,21 +249,21 @@ class AutoDrafter(LookupDrafter):
             plans[i] = [option for option in plans[i] if option[1] != kind]
         return set()
 
-    def _model_drafts(self, rows, tokens, n_out, plans, model_rows):
+    def _model_drafts(self, state: AutoState, rows, tokens, n_out, plans, model_rows):
         """The drafter model's drafts of ``model_rows`` (by position among the active rows),
         each cut at its paying length, and their q under speculative sampling."""
         caps = [0] * rows.numel()
         for i in model_rows:
             caps[i] = next(length for _, kind, length in plans[i] if kind == self.model_kind)
         # the drafter model drafts on the model's device, from copies of the host's tables
-        device = self.model_device
+        device = state.model_device
         caps = torch.tensor(caps, dtype=torch.long).to(device, non_blocking=True)
-        draft, lengths = self.model.propose(rows.clone().to(device, non_blocking=True),
+        draft, lengths = self.model.propose(state.model, rows.clone().to(device, non_blocking=True),
                                             tokens.clone().to(device, non_blocking=True),
                                             n_out.clone().to(device, non_blocking=True), caps)
         draft, lengths = draft.tolist(), lengths.tolist()  # the drafter model's read
         drafts = {i: draft[i][: lengths[i]] for i in model_rows}
-        return drafts, self.model.draft_probs if self.sampler is not None else None
+        return drafts, state.model.draft_probs if self.sampler is not None else None
 
     def _mixed_q(self, drafts, chosen, model_q, device):
         """(B, K, V) q of every row's draft: one-hot for the deterministic drafts (and
@@ -262,13 +278,13 @@ class AutoDrafter(LookupDrafter):
                 q[i, : len(drafts[i])] = model_q[i, : len(drafts[i])]
         return q
 
-    def _nothing(self, rows, began):
+    def _nothing(self, state: AutoState, rows, began):
         """No row drafts in this iteration: empty drafts, and nothing for ``observe``."""
         active = rows.numel()
         self._count_none(active)
         if began is not None:
-            self.clock.tick(began, active, 0, 0)
-        self._drafted = None
+            state.clock.tick(began, active, 0, 0)
+        state.drafted = None
         lengths = torch.zeros(active, dtype=torch.long, device=rows.device)
         return lengths.new_zeros(active, 0), lengths
 
@@ -287,16 +303,16 @@ class AutoDrafter(LookupDrafter):
             counts[name] = counts.get(name, 0) + 1
 
     # ------------------------------------------------------------------ after verification
-    def observe(self, rows, features, last, tokens=None):
-        drafted = self._drafted
-        self._drafted = None
+    def observe(self, state, rows, features, last, tokens=None):
+        drafted = state.drafted
+        state.drafted = None
         if drafted is not None:
             drafted_rows = drafted[0].tolist()
             accepted = last.tolist()
             by_kind: Dict[str, tuple] = {}
             stats = self.stats
             for row, kept in zip(drafted_rows, accepted):
-                choice = self.chosen[row]
+                choice = state.chosen[row]
                 if choice is None:
                     continue
                 kind, length = choice
@@ -304,34 +320,36 @@ class AutoDrafter(LookupDrafter):
                 group[0].append(row)
                 group[1].append(length)
                 group[2].append(kept)
-                self.row_probes.verified(row, kept)
+                state.row_probes.verified(row, kept)
                 if stats is not None:
                     stats.drafter_accepted[kind] = (stats.drafter_accepted.get(kind, 0)
                                                     + min(kept, length))
             for kind, (kind_rows, lengths, kept) in by_kind.items():
-                self.kind_caps[kind].host_update(kind_rows, lengths, kept)
+                state.kind_caps[kind].host_update(kind_rows, lengths, kept)
         if self.model is None:
             return
         if self.heads:
-            self._heads_propose(rows, features, last, tokens)
+            self._heads_propose(state, rows, features, last, tokens)
         else:  # gad's own caps follow what its drafts kept (a no-op where it did not run);
             # they live on the model's device, and the engine gives auto the host's rows
-            device = self.model_device
-            self.model.observe(rows.to(device, non_blocking=True), features,
+            device = state.model_device
+            self.model.observe(state.model, rows.to(device, non_blocking=True), features,
                                last.to(device, non_blocking=True), tokens)
 
-    def _heads_propose(self, rows, features, last, tokens):
+    def _heads_propose(self, state: AutoState, rows, features, last, tokens):
         """Run the proposal heads for the rows whose heads' draft would pay next iteration
         (by their estimates now), the others get none."""
         heads = self.model
-        heads.next_len.zero_()
+        heads_state = state.model
+        heads_state.next_len.zero_()
         row_ids = rows.tolist()
         active = len(row_ids)
         value, position, drafting_row = self.prices.prices(active)
-        ceiling = min(self._ceiling(active), heads.width)
+        ceiling = min(self._ceiling(state, active), heads.width)
         chosen, caps = [], []
         for i, row in enumerate(row_ids):
-            options = self._options(row, ceiling, value, position, drafting_row, self.kinds)
+            options = self._options(state, row, ceiling, value, position, drafting_row,
+                                    self.kinds)
             if options and options[0][1] == self.model_kind:
                 chosen.append(i)
                 caps.append(options[0][2])
@@ -341,8 +359,8 @@ class AutoDrafter(LookupDrafter):
         device = features.device
         at = torch.tensor(chosen, dtype=torch.long)
         on_device = at.to(device, non_blocking=True)
-        heads.observe(rows[at].to(device, non_blocking=True), features[on_device],
+        heads.observe(heads_state, rows[at].to(device, non_blocking=True), features[on_device],
                       last[at].to(device, non_blocking=True),
                       None if tokens is None else tokens[on_device],
                       caps=torch.tensor(caps, dtype=torch.long).to(device, non_blocking=True))
-        self.clock.model_ran()
+        state.clock.model_ran()

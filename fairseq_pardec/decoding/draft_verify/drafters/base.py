@@ -8,7 +8,6 @@ nothing try again (``ProbeSchedule``), the iterations a drafter surely drafts no
 """
 
 import math
-import threading
 from typing import List, Optional
 
 import torch
@@ -298,19 +297,29 @@ class AcceptanceHistory:
                                   self.DECAY * self.mean_accepted + (1 - self.DECAY) * row_mean)
 
 
-_THREADS_LOCK = threading.Lock()
+class DraftState:
+    """One batch's values of a drafter: made by ``start`` and handed back to every call of that
+    batch (``drafts_now``, ``skip``, ``propose``, ``observe``). The drafter itself keeps only
+    what holds across batches (its options, its acceptance history, its prices), so threads
+    that share one generator, and so its drafter, each decode their own batch."""
 
-
-class _BatchState:
-    """One thread's per-batch values of a drafter (see ``Drafter.BATCH_STATE``)."""
+    def __init__(self):
+        # with --sampling, set by ``propose``: (B, K, V), the distribution each draft token
+        # was drawn from (None: deterministic drafts, one-hot q)
+        self.draft_probs = None
+        # set by ``propose`` of a drafter on the host: the drafts as lists, from which the
+        # engine builds the block (None: it reads the padded drafts)
+        self.host_drafts = None
 
 
 class Drafter:
     """Interface of the draft step of the draft-and-verify engine.
 
-    With ``--sampling`` (speculative sampling) a drafter that draws its drafts from a
-    distribution sets ``draft_probs`` in ``propose``: (B, K, V), the distribution each draft
-    token was drawn from. ``None`` (the default) declares the drafts deterministic (one-hot q).
+    ``start`` returns the batch's :class:`DraftState` (a drafter's own subclass), which the
+    engine passes to every later call of that batch. With ``--sampling`` (speculative sampling)
+    a drafter that draws its drafts from a distribution sets the state's ``draft_probs`` in
+    ``propose``: (B, K, V), the distribution each draft token was drawn from. ``None`` (the
+    default) declares the drafts deterministic (one-hot q).
     """
 
     sampler = None
@@ -332,33 +341,6 @@ class Drafter:
     # it where the back-off leaves no row room (it counts such iterations, ``skip``)
     quiet_spells = False
 
-    # The attributes a drafter sets per batch (in ``start``, ``propose``, ``observe``), with
-    # their values before any is set. They live in an object of the calling thread, so threads
-    # that share one generator, and so its drafter, each decode their own batch.
-    BATCH_STATE = {"draft_probs": None, "host_drafts": None}
-
-    def _batch_state(self):
-        local = self.__dict__.get("_threads")
-        if local is None:
-            with _THREADS_LOCK:
-                local = self.__dict__.setdefault("_threads", threading.local())
-        state = getattr(local, "state", None)
-        if state is None:
-            state = local.state = _BatchState()
-        return state
-
-    def __getattr__(self, name):  # only for names that plain lookup does not find
-        defaults = type(self).BATCH_STATE
-        if name in defaults:
-            return getattr(self._batch_state(), name, defaults[name])
-        raise AttributeError("%r object has no attribute %r" % (type(self).__name__, name))
-
-    def __setattr__(self, name, value):
-        if name in type(self).BATCH_STATE:
-            setattr(self._batch_state(), name, value)
-        else:
-            object.__setattr__(self, name, value)
-
     def set_sampler(self, sampler, temperature: float = 1.0):
         """Called once by a sampling engine: draw drafts with ``sampler`` (its filter and its
         seeded generator) at the verifier's temperature."""
@@ -372,13 +354,16 @@ class Drafter:
         tokens = self.sampler.sample(flat).view(probs.shape[:-1])
         return tokens, probs
 
-    def start(self, sample, encoder_out, bos: int):
-        """Called once per batch, before the first iteration."""
+    def start(self, sample, encoder_out, bos: int) -> DraftState:
+        """Called once per batch, before the first iteration: the batch's state."""
+        return DraftState()
 
-    def propose(self, rows: Tensor, tokens: Tensor, n_out: Tensor, max_len: Tensor):
+    def propose(self, state: DraftState, rows: Tensor, tokens: Tensor, n_out: Tensor,
+                max_len: Tensor):
         """Draft tokens for the active rows.
 
         Args:
+            state: the batch's state (``start``).
             rows: (B,) indices of the active rows in the batch given to ``start``.
             tokens: (B, T) decoder inputs so far: BOS then the accepted tokens.
             n_out: (B,) number of accepted tokens per row.
@@ -388,7 +373,7 @@ class Drafter:
         """
         raise NotImplementedError
 
-    def drafts_now(self, active_rows: int) -> bool:
+    def drafts_now(self, state: DraftState, active_rows: int) -> bool:
         """Asked by the engine before each iteration's ``propose``: False where the drafter
         knows it would draft nothing for any of the ``active_rows`` rows (its rows' estimates
         say no draft pays, and none is due to probe). The engine then takes a plain step and
@@ -396,11 +381,12 @@ class Drafter:
         a greedy step costs. A drafter answering False counts such iterations itself."""
         return True
 
-    def skip(self, active_rows: int):
+    def skip(self, state: DraftState, active_rows: int):
         """An iteration of ``active_rows`` rows passed without ``propose`` although
         ``drafts_now`` said True (the engine's back-off left no row room to draft)."""
 
-    def observe(self, rows: Tensor, features: Tensor, last: Tensor, tokens: Tensor = None):
+    def observe(self, state: DraftState, rows: Tensor, features: Tensor, last: Tensor,
+                tokens: Tensor = None):
         """Called after each verification with the verifier's (B, d) features after each row's
         last kept token, per row that token's block position (= draft tokens accepted), and
         (B,) the verifier's token chosen from those features (the row's newest token). Most
@@ -413,6 +399,6 @@ class NoDrafter(Drafter):
     drafts_nothing = True
     observes_features = False
 
-    def propose(self, rows, tokens, n_out, max_len):
+    def propose(self, state, rows, tokens, n_out, max_len):
         empty = tokens.new_zeros(rows.numel(), 0)
         return empty, tokens.new_zeros(rows.numel())

@@ -4,11 +4,25 @@ the next k tokens at once, re-reading the prefix (bidirectional) or from its own
 
 import torch
 
-from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter
+from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter, DraftState
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.lean import block_decoder_for, lean_supported
 from fairseq_pardec.decoding.step.output_projection import draft_projection, plain_output_projection
 from fairseq_pardec.errors import UsageError
+
+
+class NARState(DraftState):
+    """One batch's values of a GAD drafter: its encoder output (all rows, and the active
+    rows'), the rows it last drafted for, and with the block-causal drafter its cache, each
+    row's cached length, its caps and the lengths last drafted."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder_out = self.active_encoder_out = None
+        self.rows = None
+        self.cache = self.n_cached = None
+        self.caps = None
+        self.drafted = None
 
 
 class NARDrafter(Drafter):
@@ -22,7 +36,6 @@ class NARDrafter(Drafter):
 
     on_device = True  # a drafter model: it drafts where the verifier runs
 
-    BATCH_STATE = dict(Drafter.BATCH_STATE, encoder_out=None, rows=None, active_encoder_out=None)
 
     def __init__(self, model, block_size: int, eos: int, pad: int, dictionary=None,
                  draft_vocab=None):
@@ -44,34 +57,35 @@ class NARDrafter(Drafter):
         net = sample["net_input"]
         return self.model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
 
-    def start(self, sample, encoder_out, bos: int):
-        self.encoder_out = self._encoder_out(sample, encoder_out)
-        self.rows = None
-        self.active_encoder_out = self.encoder_out
+    def start(self, sample, encoder_out, bos: int) -> NARState:
+        state = NARState()
+        state.encoder_out = self._encoder_out(sample, encoder_out)
+        state.active_encoder_out = state.encoder_out
+        return state
 
-    def propose(self, rows, tokens, n_out, max_len):
-        if self.rows is None or not torch.equal(rows, self.rows):
-            self.active_encoder_out = self.model.encoder.reorder_encoder_out(self.encoder_out, rows)
-            self.rows = rows
+    def propose(self, state, rows, tokens, n_out, max_len):
+        if state.rows is None or not torch.equal(rows, state.rows):
+            state.active_encoder_out = self.model.encoder.reorder_encoder_out(state.encoder_out, rows)
+            state.rows = rows
         inputs, slots = self.model.draft_inputs(tokens, n_out, self.k)
-        logits = self._slot_logits(self.model.slot_features(inputs, slots, self.active_encoder_out))
-        return self._finish(logits, max_len)
+        logits = self._slot_logits(self.model.slot_features(inputs, slots, state.active_encoder_out))
+        return self._finish(state, logits, max_len)
 
-    def _finish(self, logits, max_len):
+    def _finish(self, state: NARState, logits, max_len):
         """(B, k, V) slot logits -> drafts cut after their first EOS and at ``max_len``."""
         logits[..., self.pad] = float("-inf")
         if self.sampler is None:
             draft = logits.argmax(dim=-1)
         else:  # speculative sampling: draw every slot from the drafter's own distribution
-            draft, self.draft_probs = self._draw(logits)
+            draft, state.draft_probs = self._draw(logits)
         width = draft.size(1)
         cols = torch.arange(width, device=draft.device).unsqueeze(0)
         first_eos = torch.where(draft.eq(self.eos), cols, width).min(dim=1).values
         lengths = torch.minimum(torch.clamp(first_eos + 1, max=width), max_len)
         draft = draft.masked_fill(cols >= lengths.unsqueeze(1), self.pad)
-        if self.draft_probs is not None:
-            self.draft_probs = self.draft_probs[:, : int(lengths.max()) if lengths.numel() else 0]
-            draft = draft[:, : self.draft_probs.size(1)]
+        if state.draft_probs is not None:
+            state.draft_probs = state.draft_probs[:, : int(lengths.max()) if lengths.numel() else 0]
+            draft = draft[:, : state.draft_probs.size(1)]
         return draft, lengths
 
 
@@ -86,9 +100,6 @@ class CachedNARDrafter(NARDrafter):
     the slot-first layout the drafter was trained on, so the drafts equal the full forward's
     (tests/test_gad_cached.py).
     """
-
-    BATCH_STATE = dict(NARDrafter.BATCH_STATE, cache=None, n_cached=None, caps=None,
-                       drafted=None)
 
     observes_features = False  # observe reads only how much of each draft was accepted
 
@@ -108,62 +119,64 @@ class CachedNARDrafter(NARDrafter):
         self.mask_token = model.mask_index()
         self.max_step = model.max_decoder_positions() - 1
 
-    def start(self, sample, encoder_out, bos: int):
-        self.encoder_out = self._encoder_out(sample, encoder_out)
+    def start(self, sample, encoder_out, bos: int) -> NARState:
+        state = NARState()
+        state.encoder_out = self._encoder_out(sample, encoder_out)
         bsz = sample["net_input"]["src_tokens"].size(0)
         device = sample["net_input"]["src_tokens"].device
-        self.cache = self.blocks.new_state()
-        self.rows = torch.arange(bsz, device=device)
-        self.n_cached = torch.zeros(bsz, dtype=torch.long, device=device)  # BOS + tokens cached
-        self.caps = AdaptiveCaps(bsz, self.k, device)
-        self.drafted = None
+        state.cache = self.blocks.new_state()
+        state.rows = torch.arange(bsz, device=device)
+        state.n_cached = torch.zeros(bsz, dtype=torch.long, device=device)  # BOS + tokens cached
+        state.caps = AdaptiveCaps(bsz, self.k, device)
+        return state
 
-    def _follow(self, rows):
+    @staticmethod
+    def _follow(blocks, state: NARState, rows):
         """Drop the cache rows of sentences that left the batch (rows only ever shrink)."""
-        if rows.numel() == self.rows.numel():
+        if rows.numel() == state.rows.numel():
             return
-        keep = torch.searchsorted(self.rows, rows)
-        self.blocks.reorder(self.cache, keep)
-        self.n_cached = self.n_cached[keep]
-        self.rows = rows
+        keep = torch.searchsorted(state.rows, rows)
+        blocks.reorder(state.cache, keep)
+        state.n_cached = state.n_cached[keep]
+        state.rows = rows
 
-    def propose(self, rows, tokens, n_out, max_len):
-        self._follow(rows)
+    def propose(self, state, rows, tokens, n_out, max_len):
+        self._follow(self.blocks, state, rows)
         device = tokens.device
         b = rows.numel()
         # adaptive: only the slots some row will draft are fed (k = the widest row's cap); the
         # drafter was trained with k slots, fewer mask slots are a shorter block of the same kind
         cap, k = max_len, self.k
         if self.adaptive and self.sampler is None:
-            cap = torch.minimum(self.caps.caps(rows), max_len)
+            cap = torch.minimum(state.caps.caps(rows), max_len)
             k = max(1, min(self.k, int(cap.max())))
-        new = n_out + 1 - self.n_cached  # >= 1: every iteration gains a token (BOS first)
+        new = n_out + 1 - state.n_cached  # >= 1: every iteration gains a token (BOS first)
         width = int(new.max())
         cols = torch.arange(width, device=device).unsqueeze(0)
-        fresh = tokens.gather(1, (self.n_cached.unsqueeze(1) + cols).clamp(max=tokens.size(1) - 1))
+        fresh = tokens.gather(1, (state.n_cached.unsqueeze(1) + cols).clamp(max=tokens.size(1) - 1))
         fresh_pad = cols >= new.unsqueeze(1)
         block = torch.cat([tokens.new_full((b, k), self.mask_token),
                            fresh.masked_fill(fresh_pad, self.pad)], 1)
         block_pad = torch.cat([fresh_pad.new_zeros(b, k), fresh_pad], 1)
         slot_cols = torch.arange(k, device=device).unsqueeze(0)
-        steps = torch.cat([n_out.unsqueeze(1) + 1 + slot_cols, self.n_cached.unsqueeze(1) + cols], 1)
+        steps = torch.cat([n_out.unsqueeze(1) + 1 + slot_cols, state.n_cached.unsqueeze(1) + cols], 1)
         # slots past the drafter's last position (drafts near max length) share that position
         steps = steps.clamp(max=self.max_step)
         layout = BlockLayout(block_pad)
-        first = self.blocks.cache_length(self.cache)
+        first = self.blocks.cache_length(state.cache)
         mask = self.model.block_causal_mask(k, k + width, self.blocks.decoder.embed_tokens.weight)
-        features = self.blocks.forward_packed(block, self.n_cached, layout, self.encoder_out,
-                                              self.cache, steps=steps, block_mask=mask)
+        features = self.blocks.forward_packed(block, state.n_cached, layout, state.encoder_out,
+                                              state.cache, steps=steps, block_mask=mask)
         logits = self._slot_logits(features[layout.pos[:, :k].reshape(-1)].view(b, k, -1))
-        self.blocks.drop_columns(self.cache, first, k)
-        self.blocks.compact(self.cache)  # holes left by ragged new tokens
-        self.n_cached = n_out + 1
-        draft, lengths = self._finish(logits, cap)
-        self.drafted = lengths
+        self.blocks.drop_columns(state.cache, first, k)
+        self.blocks.compact(state.cache)  # holes left by ragged new tokens
+        state.n_cached = n_out + 1
+        draft, lengths = self._finish(state, logits, cap)
+        state.drafted = lengths
         return draft, lengths
 
-    def observe(self, rows, features, last, tokens=None):
-        if not self.adaptive or self.drafted is None:
+    def observe(self, state, rows, features, last, tokens=None):
+        if not self.adaptive or state.drafted is None:
             return
-        self.caps.update(rows, self.drafted, last)
-        self.drafted = None
+        state.caps.update(rows, state.drafted, last)
+        state.drafted = None

@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from fairseq_pardec.errors import UsageError
-from fairseq_pardec.decoding.draft_verify.drafters.source_copy import CopyDrafter
+from fairseq_pardec.decoding.draft_verify.drafters.source_copy import CopyDrafter, CopyState
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,15 @@ class NgramTable:
         return sentences, tokens, unknown
 
 
+class LookupState(CopyState):
+    """One batch's values of a lookup drafter: a copy drafter's, and per row its output's
+    tokens by position (the first ``indexed`` of them), for local matches."""
+
+    def __init__(self):
+        super().__init__()
+        self.output_positions, self.indexed = [], []
+
+
 class LookupDrafter(CopyDrafter):
     """Draft by lookup: the row's source and own output first, then the n-gram table.
 
@@ -179,7 +188,7 @@ class LookupDrafter(CopyDrafter):
     """
 
     LOCAL_ORDER = 4
-    BATCH_STATE = dict(CopyDrafter.BATCH_STATE, output_positions=None, indexed=None)
+    State = LookupState
 
     def __init__(self, src_dict, tgt_dict, table: Optional[NgramTable] = None, block_size=None,
                  adaptive=False, prices=None):
@@ -187,17 +196,18 @@ class LookupDrafter(CopyDrafter):
                          prices=prices)
         self.table = table
 
-    def start(self, sample, encoder_out, bos: int):
-        super().start(sample, encoder_out, bos)
-        # each row's output tokens by position (the first `indexed` of them), for local matches
-        self.output_positions = [{} for _ in self.sources]
-        self.indexed = [0] * len(self.sources)
+    def start(self, sample, encoder_out, bos: int) -> LookupState:
+        state = super().start(sample, encoder_out, bos)
+        state.output_positions = [{} for _ in state.sources]
+        state.indexed = [0] * len(state.sources)
+        return state
 
-    def _index_output(self, row: int):
-        output, where = self.outputs[row], self.output_positions[row]
-        for i in range(self.indexed[row], len(output)):
+    @staticmethod
+    def _index_output(state: LookupState, row: int):
+        output, where = state.outputs[row], state.output_positions[row]
+        for i in range(state.indexed[row], len(output)):
             where.setdefault(output[i], []).append(i)
-        self.indexed[row] = len(output)
+        state.indexed[row] = len(output)
 
     @staticmethod
     def _first_match(sequence, positions, suffix, end):
@@ -210,29 +220,29 @@ class LookupDrafter(CopyDrafter):
                 return i
         return None
 
-    def _local(self, row: int, cap: int) -> List[int]:
-        output, source = self.outputs[row], self.sources[row]
-        self._index_output(row)
+    def _local(self, state: LookupState, row: int, cap: int) -> List[int]:
+        output, source = state.outputs[row], state.sources[row]
+        self._index_output(state, row)
         for n in range(min(self.LOCAL_ORDER, len(output)), 0, -1):
             suffix = output[-n:]
-            at = self._first_match(source, self.positions[row], suffix, len(source) - 1)
+            at = self._first_match(source, state.positions[row], suffix, len(source) - 1)
             if at is not None:
                 return source[at + 1: at + 1 + cap]
             # an earlier occurrence in the output itself (ending before the last token)
-            at = self._first_match(output, self.output_positions[row], suffix, len(output) - 1)
+            at = self._first_match(output, state.output_positions[row], suffix, len(output) - 1)
             if at is not None:
                 return output[at + 1: at + 1 + cap]
         return []
 
-    def propose(self, rows, tokens, n_out, max_len):
-        began = self.clock.now() if self.clock is not None else None
+    def propose(self, state, rows, tokens, n_out, max_len):
+        began = state.clock.now() if state.clock is not None else None
         drafts = []
         row_ids, lengths = rows.tolist(), n_out.tolist()
-        caps = self._row_caps(row_ids, max_len, self._ceiling(len(row_ids)))
-        self._read_drafting_rows(row_ids, tokens, lengths, caps)
+        caps = self._row_caps(state, row_ids, max_len, self._ceiling(state, len(row_ids)))
+        self._read_drafting_rows(state, row_ids, tokens, lengths, caps)
         for row, cap in zip(row_ids, caps):
-            draft = self._local(row, cap) if cap > 0 else []
+            draft = self._local(state, row, cap) if cap > 0 else []
             if not draft and cap > 0 and self.table is not None:
-                draft = self.table.continuation(self.outputs[row], cap)
+                draft = self.table.continuation(state.outputs[row], cap)
             drafts.append(draft)
-        return self._drafts_out(rows, drafts, tokens.device, began)
+        return self._drafts_out(state, rows, drafts, tokens.device, began)

@@ -2,13 +2,24 @@
 
 import torch
 
-from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter
+from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter, DraftState
 from fairseq_pardec.decoding.step.output_projection import (
     ShortlistProjection,
     base_projection,
     draft_projection,
 )
 from fairseq_pardec.errors import UsageError
+
+
+class HeadsState(DraftState):
+    """One batch's values of the proposal heads: per row the next draft and its length (and
+    with --sampling the distributions drawn from), its caps, and the lengths last drafted."""
+
+    def __init__(self):
+        super().__init__()
+        self.next_draft = self.next_len = self.next_probs = None
+        self.caps = None
+        self.drafted = None
 
 
 class HeadsDrafter(Drafter):
@@ -26,8 +37,6 @@ class HeadsDrafter(Drafter):
     on_device = True  # a drafter model: it drafts where the verifier runs
     reads_tokens = False  # the heads draft from the verifier's features
 
-    BATCH_STATE = dict(Drafter.BATCH_STATE, next_draft=None, next_len=None, next_probs=None,
-                       caps=None, drafted=None)
 
     def __init__(self, decoder, pad: int, block_size: int, adaptive: bool = False,
                  dictionary=None, draft_vocab=None):
@@ -37,38 +46,39 @@ class HeadsDrafter(Drafter):
         # the heads share the base's vocabulary projection (p_1's own output layer may differ)
         self.project = draft_projection(base_projection(decoder), dictionary, draft_vocab)
 
-    def start(self, sample, encoder_out, bos: int):
+    def start(self, sample, encoder_out, bos: int) -> HeadsState:
         src = sample["net_input"]["src_tokens"]
-        self.next_draft = src.new_full((src.size(0), max(self.width, 0)), self.pad)
-        self.next_len = src.new_zeros(src.size(0))
-        self.next_probs = None
-        self.caps = AdaptiveCaps(src.size(0), self.width, src.device)
-        self.drafted = None
+        state = HeadsState()
+        state.next_draft = src.new_full((src.size(0), max(self.width, 0)), self.pad)
+        state.next_len = src.new_zeros(src.size(0))
+        state.next_probs = None
+        state.caps = AdaptiveCaps(src.size(0), self.width, src.device)
+        return state
 
-    def propose(self, rows, tokens, n_out, max_len):
-        lengths = torch.minimum(self.next_len[rows], max_len)
+    def propose(self, state, rows, tokens, n_out, max_len):
+        lengths = torch.minimum(state.next_len[rows], max_len)
         # every head's column: the engine reads the lengths with the drafts and keeps each
         # row's own, so the widest row's length need not be read from the device first (with
         # --sampling the drafts' distributions are cut to it, as the block is)
-        width = self.next_draft.size(1)
+        width = state.next_draft.size(1)
         if self.sampler is not None:
             width = int(lengths.max()) if lengths.numel() else 0
-        draft = self.next_draft[rows, :width]
+        draft = state.next_draft[rows, :width]
         cols = torch.arange(width, device=draft.device)
         draft = draft.masked_fill(cols.unsqueeze(0) >= lengths.unsqueeze(1), self.pad)
         if self.sampler is not None:
-            if self.next_probs is None:  # nothing proposed yet: an empty draft
-                self.draft_probs = None
+            if state.next_probs is None:  # nothing proposed yet: an empty draft
+                state.draft_probs = None
             else:
-                self.draft_probs = self.next_probs[rows, :width]
-        self.drafted = lengths
+                state.draft_probs = state.next_probs[rows, :width]
+        state.drafted = lengths
         return draft, lengths
 
-    def _width(self, rows):
+    def _width(self, state: HeadsState, rows):
         """How many heads to run (n) and each row's cap (None: not adaptive)."""
         n, caps = self.width, None
         if self.adaptive and self.sampler is None:
-            caps = self.caps.caps(rows)
+            caps = state.caps.caps(rows)
             n = max(1, min(self.width, int(caps.max())))
         return n, caps
 
@@ -107,25 +117,25 @@ class HeadsDrafter(Drafter):
             dists.append(probs)
         return torch.stack(chosen, 1), None if self.sampler is None else torch.stack(dists, 1)
 
-    def observe(self, rows, features, last, tokens=None, caps=None):
+    def observe(self, state, rows, features, last, tokens=None, caps=None):
         """``caps``: (B,) the most proposals each of ``rows`` may draft next, decided by the
         caller (``--generator auto``'s prices); heads no row uses are not computed."""
         if self.width <= 0:
             return
-        if self.adaptive and self.drafted is not None:
-            self.caps.update(rows, self.drafted, last)
-        self.drafted = None
+        if self.adaptive and state.drafted is not None:
+            state.caps.update(rows, state.drafted, last)
+        state.drafted = None
         if caps is None:
-            n, caps = self._width(rows)
+            n, caps = self._width(state, rows)
         else:
             n = max(1, min(self.width, int(caps.max())))
         if self.decoder.proposals_read_tokens:
             drafted, probs = self._recurrent(features, tokens, n)
         else:
             drafted, probs = self._choose(self._project(self.decoder.proposal_features(features, n)))
-        self.next_draft[rows, :n] = drafted
+        state.next_draft[rows, :n] = drafted
         if probs is not None:  # speculative sampling: keep the distributions drawn from
-            if self.next_probs is None:
-                self.next_probs = probs.new_zeros((self.next_draft.size(0),) + probs.shape[1:])
-            self.next_probs[rows] = probs
-        self.next_len[rows] = n if caps is None else caps.clamp(max=n)
+            if state.next_probs is None:
+                state.next_probs = probs.new_zeros((state.next_draft.size(0),) + probs.shape[1:])
+            state.next_probs[rows] = probs
+        state.next_len[rows] = n if caps is None else caps.clamp(max=n)

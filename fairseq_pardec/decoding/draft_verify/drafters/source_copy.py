@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
-                                                                Drafter, QuietSpell,
+                                                                DraftState, Drafter, QuietSpell,
                                                                 pad_drafts)
 from fairseq_pardec.decoding.step.static import draft_cap_for_bucket
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (CPU_PRICES, FixedPrices,
@@ -49,6 +49,23 @@ class SourceVocabularyMap:
         return self.table.to(src_ids.device)[src_ids]
 
 
+class CopyState(DraftState):
+    """One batch's values of a copy drafter (and of the drafters built on it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.on_cpu = True  # whether the batch decodes on the CPU (the ceiling follows it)
+        # per row: [BOS] + its source in target ids, each token's places in it, and
+        # (source index, output length) of its last match
+        self.sources, self.positions, self.last_match = [], [], []
+        self.outputs = []  # per row: BOS + the accepted tokens read so far
+        self.caps = None  # the rows' AdaptiveCaps (on the host)
+        self.drafted = None  # (rows, lengths) of the last propose, for observe
+        self.clock = None  # the iterations' timing, with measured prices
+        self.quiet = None  # the QuietSpell under way, if any (drafts_now)
+        self.skipped = 0  # iterations not asked since the last propose (the probes' count)
+
+
 class CopyDrafter(Drafter):
     """Input-guided aggressive decoding (IAD): draft by copying the source.
 
@@ -85,11 +102,9 @@ class CopyDrafter(Drafter):
     GPU_POSITIONS = 2048
     GPU_MIN_CEILING = 16
 
-    BATCH_STATE = dict(Drafter.BATCH_STATE, on_cpu=True, sources=None, positions=None,
-                       last_match=None, outputs=None, caps=None, _drafted=None, clock=None,
-                       quiet=None, skipped=0)
     observes_features = False  # observe reads only how much of each draft was accepted
     quiet_spells = True
+    State = CopyState  # what ``start`` makes (the drafters built on this one add to it)
 
     def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False,
                  prices: IterationPrices = None):
@@ -115,11 +130,12 @@ class CopyDrafter(Drafter):
             # the timing, one --seed would give other samples on another run
             self.prices = FixedPrices()
 
-    def start(self, sample, encoder_out, bos: int):
+    def start(self, sample, encoder_out, bos: int) -> "CopyState":
         src = sample["net_input"]["src_tokens"]
-        self.on_cpu = src.device.type == "cpu"
+        state = self.State()
+        state.on_cpu = src.device.type == "cpu"
         mapped = self.vocab_map(src).tolist()
-        self.sources, self.positions, self.last_match = [], [], []
+        state.sources, state.positions, state.last_match = [], [], []
         for row, ids in zip(src.tolist(), mapped):
             # a source token the target dictionary lacks cannot be drafted: it is left out,
             # and copying goes on with the tokens after it
@@ -127,40 +143,40 @@ class CopyDrafter(Drafter):
             where = {}
             for i, token in enumerate(source):
                 where.setdefault(token, []).append(i)
-            self.sources.append(source)
-            self.positions.append(where)
-            self.last_match.append((0, 0))  # (source index, output length) of the last match
+            state.sources.append(source)
+            state.positions.append(where)
+            state.last_match.append((0, 0))  # (source index, output length) of the last match
         # BOS + the accepted tokens seen so far, per row: accepted tokens never change, so each
         # iteration reads only the new ones from the engine's buffer
-        self.outputs = [[bos] for _ in self.sources]
+        state.outputs = [[bos] for _ in state.sources]
         # the caps live on the host whatever the device: the engine gives this drafter its
         # host tables, and what it drafts is decided there
-        self.caps = AdaptiveCaps(len(self.sources), float("inf"), "cpu", self.history)
-        self._drafted = None
-        self.clock = IterationClock(self.prices) if self.prices is not None else None
+        state.caps = AdaptiveCaps(len(state.sources), float("inf"), "cpu", self.history)
+        state.drafted = None
+        state.clock = IterationClock(self.prices) if self.prices is not None else None
         # the iterations in which the caps surely give every row no draft (drafts_now)
-        self.quiet, self.skipped = self._fresh_spell(len(self.sources)), 0
+        state.quiet = self._fresh_spell(state, len(state.sources))
+        return state
 
-    def _fresh_spell(self, rows: int):
+    def _fresh_spell(self, state: "CopyState", rows: int):
         """A batch whose fresh rows would all draft nothing at the CPU's prices (the drafter's
         acceptance so far does not pay) starts quiet, until their first probe: on a model
         whose drafts are rejected a sentence is not asked for drafts at its first token."""
-        if not (self.adaptive and self.on_cpu and self.block_size is None
+        if not (self.adaptive and state.on_cpu and self.block_size is None
                 and self.prices is None and self.CPU_PRICES is not None and rows > 0):
             return None
         value, position, drafting_row = self.CPU_PRICES.prices(rows)
         if value <= position:
             return QuietSpell(rows, math.inf)
-        rate = self.caps.acceptance_rate(0)  # every row's, fresh
+        rate = state.caps.acceptance_rate(0)  # every row's, fresh
         if paying_length(rate, value, position, drafting_row, AdaptiveCaps.CEILING) > 0:
             return None
-        return QuietSpell(rows, self.caps.probes.wait[0])
+        return QuietSpell(rows, state.caps.probes.wait[0])
 
-
-    def _match(self, row: int, output: List[int]):
+    def _match(self, state: "CopyState", row: int, output: List[int]):
         """Index in the source of the match of the output's last token, or None."""
-        source = self.sources[row]
-        candidates = self.positions[row].get(output[-1])
+        source = state.sources[row]
+        candidates = state.positions[row].get(output[-1])
         if not candidates:
             return None
         q = 0
@@ -171,16 +187,16 @@ class CopyDrafter(Drafter):
                 break
             candidates = longer
         if len(candidates) > 1:
-            at, n_then = self.last_match[row]
+            at, n_then = state.last_match[row]
             expected = at + len(output) - 1 - n_then
             return min(candidates, key=lambda i: (abs(i - expected), i))
         return candidates[0]
 
-    def _ceiling(self, active_rows: int):
+    def _ceiling(self, state: "CopyState", active_rows: int):
         """The cap every row drafts under this iteration."""
         if self.block_size is not None:
             return self.block_size
-        if not self.on_cpu:
+        if not state.on_cpu:
             # a block of 2^k - 1 drafts and the row's last token fills its bucket of the CUDA
             # step's graphs: 16 drafts would run a block of 17 on 32 columns
             return draft_cap_for_bucket(
@@ -188,103 +204,105 @@ class CopyDrafter(Drafter):
         share = self.CPU_POSITIONS // max(1, active_rows)
         return max(self.CPU_MIN_CEILING, min(self.CPU_MAX_CEILING, share))
 
-    def _row_caps(self, rows: List[int], max_len: Tensor, ceiling) -> List[int]:
+    def _row_caps(self, state: "CopyState", rows: List[int], max_len: Tensor,
+                  ceiling) -> List[int]:
         """Most draft tokens per row now: its room, the ceiling, and (adaptive) its own cap."""
-        self._catch_up()
+        self._catch_up(state)
         caps = max_len.tolist()
         if ceiling is not None:
             caps = [min(cap, ceiling) for cap in caps]
         if self.adaptive and self.prices is not None:
             value, position, drafting_row = self.prices.prices(len(rows))
-            return self.caps.priced_caps(rows, value, position, drafting_row, caps)
+            return state.caps.priced_caps(rows, value, position, drafting_row, caps)
         if self.adaptive:
-            if self.on_cpu and self.block_size is None and self.CPU_PRICES is not None:
+            if state.on_cpu and self.block_size is None and self.CPU_PRICES is not None:
                 # the CPU's prices: per row the length that pays for its positions and its
                 # drafting (AdaptiveCaps.priced_caps), under its recent mean
                 value, position, drafting_row = self.CPU_PRICES.prices(len(rows))
-                own = self.caps.priced_caps(rows, value, position, drafting_row, caps)
+                own = state.caps.priced_caps(rows, value, position, drafting_row, caps)
                 if max(own, default=1) == 0:
-                    spell = self.caps.quiet_for(rows, caps, nothing_pays=value <= position)
-                    self.quiet = QuietSpell(len(rows), spell) if spell > 0 else None
+                    spell = state.caps.quiet_for(rows, caps, nothing_pays=value <= position)
+                    state.quiet = QuietSpell(len(rows), spell) if spell > 0 else None
                 return own
-            own = self.caps.host_caps(rows)
+            own = state.caps.host_caps(rows)
             caps = [min(cap, mine) for cap, mine in zip(caps, own)]
         return caps
 
-    def drafts_now(self, active_rows: int) -> bool:
-        state = self._batch_state()
-        spell = getattr(state, "quiet", None)
+    def drafts_now(self, state: "CopyState", active_rows: int) -> bool:
+        spell = state.quiet
         if spell is None:
             return True
         if spell.step(active_rows):  # rows that finish change the prices: the spell ends
-            self._not_asked(active_rows)
+            self._not_asked(state, active_rows)
             return False
         state.quiet = None
-        self.skipped += spell.skipped
+        state.skipped += spell.skipped
         return True
 
-    def skip(self, active_rows: int):
-        self.skipped += 1
-        self._not_asked(active_rows)
+    def skip(self, state: "CopyState", active_rows: int):
+        state.skipped += 1
+        self._not_asked(state, active_rows)
 
-    def _not_asked(self, active_rows: int):
+    def _not_asked(self, state: "CopyState", active_rows: int):
         """An iteration passed without ``propose`` (subclasses keep their statistics)."""
 
-    def _catch_up(self):
+    def _catch_up(self, state: "CopyState"):
         """The iterations that passed without ``propose`` count towards the rows' probes."""
-        if self.skipped:
-            self.caps.skip(self.skipped)
-            self.skipped = 0
+        if state.skipped:
+            state.caps.skip(state.skipped)
+            state.skipped = 0
 
-    def _read_new_tokens(self, row_ids: List[int], tokens: Tensor, n_out: List[int]):
+    @staticmethod
+    def _read_new_tokens(state: "CopyState", row_ids: List[int], tokens: Tensor,
+                         n_out: List[int]):
         """Append each row's tokens accepted since the last call, from the engine's table on
         the host (a view of its buffer: each row's new tokens are one slice)."""
         table = tokens.numpy()
         for i, (row, n) in enumerate(zip(row_ids, n_out)):
-            known = len(self.outputs[row])
+            known = len(state.outputs[row])
             if n + 1 > known:
-                self.outputs[row].extend(table[i, known: n + 1].tolist())
+                state.outputs[row].extend(table[i, known: n + 1].tolist())
 
-    def _read_drafting_rows(self, row_ids: List[int], tokens: Tensor, lengths: List[int],
-                            caps: List[int]):
+    def _read_drafting_rows(self, state: "CopyState", row_ids: List[int], tokens: Tensor,
+                            lengths: List[int], caps: List[int]):
         """Bring the outputs of the rows that may draft now up to date (a row's tokens are
         read when it next drafts: at batch 32 on the CPU most rows draft nothing)."""
         drafting = [i for i, cap in enumerate(caps) if cap > 0]
         if len(drafting) == len(row_ids):
-            self._read_new_tokens(row_ids, tokens, lengths)
+            self._read_new_tokens(state, row_ids, tokens, lengths)
         elif drafting:
-            self._read_new_tokens([row_ids[i] for i in drafting], tokens[drafting],
+            self._read_new_tokens(state, [row_ids[i] for i in drafting], tokens[drafting],
                                   [lengths[i] for i in drafting])
 
-    def propose(self, rows, tokens, n_out, max_len):
-        began = self.clock.now() if self.clock is not None else None
+    def propose(self, state, rows, tokens, n_out, max_len):
+        began = state.clock.now() if state.clock is not None else None
         drafts = []
         row_ids, lengths = rows.tolist(), n_out.tolist()
-        caps = self._row_caps(row_ids, max_len, self._ceiling(len(row_ids)))
-        self._read_drafting_rows(row_ids, tokens, lengths, caps)
+        caps = self._row_caps(state, row_ids, max_len, self._ceiling(state, len(row_ids)))
+        self._read_drafting_rows(state, row_ids, tokens, lengths, caps)
         for row, n, limit in zip(row_ids, lengths, caps):
-            output = self.outputs[row]
-            at = self._match(row, output) if limit > 0 else None
+            output = state.outputs[row]
+            at = self._match(state, row, output) if limit > 0 else None
             if at is None:
                 drafts.append([])
                 continue
-            self.last_match[row] = (at, n)
-            drafts.append(self.sources[row][at + 1 : at + 1 + limit])
-        return self._drafts_out(rows, drafts, tokens.device, began)
+            state.last_match[row] = (at, n)
+            drafts.append(state.sources[row][at + 1 : at + 1 + limit])
+        return self._drafts_out(state, rows, drafts, tokens.device, began)
 
-    def _drafts_out(self, rows, drafts: List[List[int]], device, began):
+    def _drafts_out(self, state: "CopyState", rows, drafts: List[List[int]], device, began):
         """The padded drafts and their lengths, kept for ``observe``; the iteration's clock
         (measured prices) starts at ``began``."""
         if began is not None:
-            self.clock.tick(began, len(drafts), sum(len(d) for d in drafts),
+            state.clock.tick(began, len(drafts), sum(len(d) for d in drafts),
                             sum(1 for d in drafts if d))
         draft, drafted = pad_drafts(drafts, self.pad, device)
-        self._drafted = (rows, drafted)  # observe's rows are these (tests pass none)
-        self.host_drafts = drafts  # the engine builds a host-decided block from the lists
+        state.drafted = (rows, drafted)  # observe's rows are these (tests pass none)
+        state.host_drafts = drafts  # the engine builds a host-decided block from the lists
         return draft, drafted
 
-    def observe(self, rows, features, last, tokens=None):
-        if self.adaptive and self._drafted is not None:
-            drafted_rows, drafted = self._drafted
-            self.caps.host_update(drafted_rows.tolist(), drafted.tolist(), last.tolist())
-        self._drafted = None
+    def observe(self, state, rows, features, last, tokens=None):
+        if self.adaptive and state.drafted is not None:
+            drafted_rows, drafted = state.drafted
+            state.caps.host_update(drafted_rows.tolist(), drafted.tolist(), last.tolist())
+        state.drafted = None
