@@ -182,7 +182,7 @@ def test_unmappable_source_token_is_skipped_not_the_end_of_copying():
     drafter = CopyDrafter(src, tgt)
     state = drafter.start({"net_input": {"src_tokens": tokens}}, None, tgt.eos())
     t = [tgt.index("w%d" % i) for i in (1, 2, 3, 4)]
-    assert state.sources[0] == [tgt.eos()] + t + [tgt.eos()]
+    assert state.source(0) == [tgt.eos()] + t + [tgt.eos()]
 
 
 def test_building_and_dropping_generators_frees_their_models(monkeypatch):

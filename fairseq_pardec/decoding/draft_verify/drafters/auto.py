@@ -81,7 +81,7 @@ class AutoDrafter(LookupDrafter):
 
     def start(self, sample, encoder_out, bos: int) -> AutoState:
         state = super().start(sample, encoder_out, bos)
-        rows = len(state.sources)
+        rows = state.rows
         state.kind_caps = {kind: AdaptiveCaps(rows, float("inf"), "cpu", self.histories[kind])
                           for kind in self.kinds}
         state.chosen = [None] * rows  # per batch row: (kind, draft length) of the last propose
@@ -102,10 +102,13 @@ class AutoDrafter(LookupDrafter):
         if value > position and self._options(state, 0, self._ceiling(state, rows), value,
                                               position, drafting_row, self.cheap):
             return None
-        spell = math.inf if value <= position else state.row_probes.wait[0]
+        if value <= position:  # while at least as many rows are left as pay nothing
+            spell, fewest = math.inf, self.prices.nothing_pays_from(rows)
+        else:
+            spell, fewest = state.row_probes.wait[0], rows
         if self.prices.measured:
             spell = min(spell, self.LONGEST_MEASURED_QUIET)
-        return QuietSpell(rows, spell)
+        return QuietSpell(rows, spell, fewest)
 
     # ------------------------------------------------------------------ choosing
     def _options(self, state: AutoState, row: int, limit: int, value: float, position: float,
@@ -166,10 +169,13 @@ class AutoDrafter(LookupDrafter):
     def _quiet_after(self, state: AutoState, row_ids, limits, active: int, nothing_pays: bool):
         """After an iteration in which no row drafted or probed: for how many iterations none
         will (until a row's probe, or for good where not even a certain token pays)."""
-        spell = math.inf if nothing_pays else state.row_probes.quiet_for(row_ids, limits)
+        if nothing_pays:  # while at least as many rows are left as pay nothing
+            spell, fewest = math.inf, self.prices.nothing_pays_from(active)
+        else:
+            spell, fewest = state.row_probes.quiet_for(row_ids, limits), active
         if self.prices.measured:
             spell = min(spell, self.LONGEST_MEASURED_QUIET)
-        state.quiet = QuietSpell(active, spell) if spell > 0 else None
+        state.quiet = QuietSpell(active, spell, fewest) if spell > 0 else None
 
     def propose(self, state, rows, tokens, n_out, max_len):
         began = state.clock.now()

@@ -246,18 +246,20 @@ class AdaptiveCaps:
 
 class QuietSpell:
     """Iterations in which a drafter surely drafts nothing (``Drafter.drafts_now``): while the
-    count of active rows stays ``rows``, ``remaining`` more of them; ``skipped`` counts those
-    that passed. Kept in the batch's state and changed in place: the engine asks every
-    iteration, so that asking costs next to nothing."""
+    count of active rows stays between ``fewest`` and ``rows`` (by default exactly ``rows``:
+    fewer rows change the prices), ``remaining`` more of them; ``skipped`` counts those that
+    passed. Kept in the batch's state and changed in place: the engine asks every iteration, so
+    that asking costs next to nothing."""
 
-    __slots__ = ("rows", "remaining", "skipped")
+    __slots__ = ("rows", "fewest", "remaining", "skipped")
 
-    def __init__(self, rows: int, remaining: float):
+    def __init__(self, rows: int, remaining: float, fewest: Optional[int] = None):
         self.rows, self.remaining, self.skipped = rows, remaining, 0
+        self.fewest = rows if fewest is None else fewest
 
     def step(self, active_rows: int) -> bool:
         """Whether this iteration is one of the spell's (then counted)."""
-        if self.rows == active_rows and self.remaining > 0:
+        if self.fewest <= active_rows <= self.rows and self.remaining > 0:
             self.remaining -= 1
             self.skipped += 1
             return True

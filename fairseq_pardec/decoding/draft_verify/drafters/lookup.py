@@ -198,8 +198,8 @@ class LookupDrafter(CopyDrafter):
 
     def start(self, sample, encoder_out, bos: int) -> LookupState:
         state = super().start(sample, encoder_out, bos)
-        state.output_positions = [{} for _ in state.sources]
-        state.indexed = [0] * len(state.sources)
+        state.output_positions = [{} for _ in range(state.rows)]
+        state.indexed = [0] * state.rows
         return state
 
     @staticmethod
@@ -221,7 +221,7 @@ class LookupDrafter(CopyDrafter):
         return None
 
     def _local(self, state: LookupState, row: int, cap: int) -> List[int]:
-        output, source = state.outputs[row], state.sources[row]
+        output, source = state.outputs[row], state.source(row)
         self._index_output(state, row)
         for n in range(min(self.LOCAL_ORDER, len(output)), 0, -1):
             suffix = output[-n:]

@@ -47,6 +47,12 @@ class IterationPrices:
         """What running a drafter model (gad's, blockwise's heads) for an iteration costs."""
         raise NotImplementedError
 
+    def nothing_pays_from(self, rows: int) -> int:
+        """Where not even a certain token pays at ``rows`` active rows: the fewest rows from
+        which on, up to ``rows``, that holds too (measured prices change as they run: ``rows``
+        only)."""
+        return rows
+
     def observe(self, rows: int, extra_positions: int, drafting_rows: int, seconds: float,
                 model: bool = False):
         """One iteration's wall time (``MeasuredPrices``; fixed prices ignore it); ``model``:
@@ -70,6 +76,13 @@ class FixedPrices(IterationPrices):
     def prices(self, rows: int):
         rows = max(1, rows)
         return (self.fixed + rows) / rows, self.position, self.row
+
+    def nothing_pays_from(self, rows: int) -> int:
+        # a token's value, (fixed + R) / R, falls as rows are added: where it does not reach
+        # a position's price at R rows, it does not at more rows either
+        while rows > 1 and self.prices(rows - 1)[0] <= self.position:
+            rows -= 1
+        return rows
 
     def threshold(self, rows: int) -> float:
         """The least acceptance at which a first draft token pays for its position (above 1:

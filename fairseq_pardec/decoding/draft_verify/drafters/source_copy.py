@@ -55,15 +55,35 @@ class CopyState(DraftState):
     def __init__(self):
         super().__init__()
         self.on_cpu = True  # whether the batch decodes on the CPU (the ceiling follows it)
-        # per row: [BOS] + its source in target ids, each token's places in it, and
-        # (source index, output length) of its last match
-        self.sources, self.positions, self.last_match = [], [], []
+        self.rows = 0
+        # per row: its source tokens and their target ids as given (``start``), then, from
+        # its first draft on (``source``), [BOS] + its source in target ids and each token's
+        # places in it: at batch 32 on the CPU most rows never draft
+        self.given = []
+        self.sources, self.positions = [], []
+        self.bos = self.src_pad = None
+        self.last_match = []  # per row: (source index, output length) of its last match
         self.outputs = []  # per row: BOS + the accepted tokens read so far
         self.caps = None  # the rows' AdaptiveCaps (on the host)
         self.drafted = None  # (rows, lengths) of the last propose, for observe
         self.clock = None  # the iterations' timing, with measured prices
         self.quiet = None  # the QuietSpell under way, if any (drafts_now)
         self.skipped = 0  # iterations not asked since the last propose (the probes' count)
+
+    def source(self, row: int) -> List[int]:
+        """[BOS] + the row's source in target ids; its tokens' places are then in
+        ``positions[row]``. A source token the target dictionary lacks cannot be drafted: it
+        is left out, and copying goes on with the tokens after it."""
+        source = self.sources[row]
+        if source is None:
+            src_pad = self.src_pad
+            tokens, ids = self.given[row]
+            source = [self.bos] + [t for s, t in zip(tokens, ids) if s != src_pad and t != -1]
+            where = {}
+            for i, token in enumerate(source):
+                where.setdefault(token, []).append(i)
+            self.sources[row], self.positions[row] = source, where
+        return source
 
 
 class CopyDrafter(Drafter):
@@ -134,28 +154,22 @@ class CopyDrafter(Drafter):
         src = sample["net_input"]["src_tokens"]
         state = self.State()
         state.on_cpu = src.device.type == "cpu"
-        mapped = self.vocab_map(src).tolist()
-        state.sources, state.positions, state.last_match = [], [], []
-        for row, ids in zip(src.tolist(), mapped):
-            # a source token the target dictionary lacks cannot be drafted: it is left out,
-            # and copying goes on with the tokens after it
-            source = [bos] + [t for s, t in zip(row, ids) if s != self.src_pad and t != -1]
-            where = {}
-            for i, token in enumerate(source):
-                where.setdefault(token, []).append(i)
-            state.sources.append(source)
-            state.positions.append(where)
-            state.last_match.append((0, 0))  # (source index, output length) of the last match
+        rows = state.rows = src.size(0)
+        given = src.tolist()
+        mapped = given if self.vocab_map.identity else self.vocab_map(src).tolist()
+        state.given = list(zip(given, mapped))
+        state.sources, state.positions = [None] * rows, [None] * rows
+        state.bos, state.src_pad = bos, self.src_pad
+        state.last_match = [(0, 0)] * rows
         # BOS + the accepted tokens seen so far, per row: accepted tokens never change, so each
         # iteration reads only the new ones from the engine's buffer
-        state.outputs = [[bos] for _ in state.sources]
+        state.outputs = [[bos] for _ in range(rows)]
         # the caps live on the host whatever the device: the engine gives this drafter its
         # host tables, and what it drafts is decided there
-        state.caps = AdaptiveCaps(len(state.sources), float("inf"), "cpu", self.history)
-        state.drafted = None
+        state.caps = AdaptiveCaps(rows, float("inf"), "cpu", self.history)
         state.clock = IterationClock(self.prices) if self.prices is not None else None
         # the iterations in which the caps surely give every row no draft (drafts_now)
-        state.quiet = self._fresh_spell(state, len(state.sources))
+        state.quiet = self._fresh_spell(state, rows)
         return state
 
     def _fresh_spell(self, state: "CopyState", rows: int):
@@ -166,8 +180,8 @@ class CopyDrafter(Drafter):
                 and self.prices is None and self.CPU_PRICES is not None and rows > 0):
             return None
         value, position, drafting_row = self.CPU_PRICES.prices(rows)
-        if value <= position:
-            return QuietSpell(rows, math.inf)
+        if value <= position:  # while at least as many rows are left as pay nothing
+            return QuietSpell(rows, math.inf, self.CPU_PRICES.nothing_pays_from(rows))
         rate = state.caps.acceptance_rate(0)  # every row's, fresh
         if paying_length(rate, value, position, drafting_row, AdaptiveCaps.CEILING) > 0:
             return None
@@ -175,7 +189,7 @@ class CopyDrafter(Drafter):
 
     def _match(self, state: "CopyState", row: int, output: List[int]):
         """Index in the source of the match of the output's last token, or None."""
-        source = state.sources[row]
+        source = state.source(row)
         candidates = state.positions[row].get(output[-1])
         if not candidates:
             return None
@@ -221,8 +235,11 @@ class CopyDrafter(Drafter):
                 value, position, drafting_row = self.CPU_PRICES.prices(len(rows))
                 own = state.caps.priced_caps(rows, value, position, drafting_row, caps)
                 if max(own, default=1) == 0:
-                    spell = state.caps.quiet_for(rows, caps, nothing_pays=value <= position)
-                    state.quiet = QuietSpell(len(rows), spell) if spell > 0 else None
+                    nothing_pays = value <= position
+                    spell = state.caps.quiet_for(rows, caps, nothing_pays=nothing_pays)
+                    fewest = (self.CPU_PRICES.nothing_pays_from(len(rows)) if nothing_pays
+                              else len(rows))
+                    state.quiet = QuietSpell(len(rows), spell, fewest) if spell > 0 else None
                 return own
             own = state.caps.host_caps(rows)
             caps = [min(cap, mine) for cap, mine in zip(caps, own)]
