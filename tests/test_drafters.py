@@ -8,13 +8,15 @@ import torch
 from fairseq_pardec.decoding.draft_verify.drafters import CopyDrafter, SourceVocabularyMap
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
                                                                 ProbeSchedule)
+from fairseq_pardec.decoding.draft_verify.drafters.pricing import CPU_PRICES, FixedPrices
+from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
 
 from helpers import collate, make_dictionary
 
 
-def drafter_for(source_words, d, block_size=None, tgt=None):
+def drafter_for(source_words, d, block_size=None, tgt=None, adaptive=False):
     """A copy drafter started on one sentence, and the batch's state."""
-    drafter = CopyDrafter(d, tgt or d, block_size)
+    drafter = CopyDrafter(d, tgt or d, block_size, adaptive=adaptive)
     src = torch.tensor([d.index(w) for w in source_words] + [d.eos()])
     return drafter, drafter.start(collate(d, [src]), None, d.eos())
 
@@ -81,14 +83,14 @@ def test_separate_dictionaries_map_by_string_and_skip_unknown():
 
 def test_adaptive_cap_follows_each_rows_acceptance():
     d = make_dictionary(20)
-    started = drafter_for(["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"], d, block_size=6)
+    started = drafter_for(["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"], d, block_size=6,
+                          adaptive=True)
     drafter, state = started
-    drafter.adaptive = True
     assert propose(started, d, []) == ["w1", "w2", "w3", "w4", "w5", "w6"]  # no history: the cap
     drafter.observe(state, None, None, torch.tensor([0]))  # first draft token rejected
     assert propose(started, d, ["w9"]) == []  # w9 is not in the source: no draft, no update
     drafter.observe(state, None, None, torch.tensor([0]))
-    assert state.caps.mean[0] == 0
+    assert state.schedule.caps["copy"].mean[0] == 0
     assert propose(started, d, ["w9", "w2"]) == ["w3"]  # 2 * 0 + 1
     drafter.observe(state, None, None, torch.tensor([1]))  # accepted: mean 0.5 -> cap 2
     assert propose(started, d, ["w9", "w2", "w3"]) == ["w4", "w5"]
@@ -175,38 +177,51 @@ def test_generate_time_refusals_name_the_generator():
         generator.generate([model], random_batch(d, [3]), constraints=torch.zeros(1, 1))
 
 
-def test_paying_length_follows_the_acceptance_rate_and_the_price():
-    """With a threshold (the CPU's price of a draft position, as a probability of acceptance)
-    a row drafts the longest length whose last position is still accepted with about that
-    probability, from its estimated per-position rate; a row left at no draft probes with one
-    token after PROBE_AFTER iterations."""
-    caps = AdaptiveCaps(1, float("inf"), "cpu")
+def test_a_row_drafts_what_pays_and_probes_after_its_wait():
+    """A row drafts the longest length whose last position is still accepted with the
+    probability at which a position pays (here 0.5, then 0.9 of a token's value), from its
+    estimated per-position rate; a row left at no draft probes with one token after PROBE_AFTER
+    iterations, then after twice as long while its probes fail; where not even a certain token
+    pays it rests and never probes."""
+    schedule = DraftSchedule(1)
+    schedule.plan_drafts(["copy"], {}, None, FixedPrices(1.0, 1.0), adaptive=True)
+
+    def length_at(threshold):  # a position priced at ``threshold`` of a token (value 2)
+        schedule.prices = FixedPrices(fixed=1.0, position=2.0 * threshold)
+        plans = schedule.plan([0], [10 ** 6])
+        return plans[0][0][2] if plans else 0
+
+    def kept(drafted, accepted):
+        schedule.chosen[0] = ("copy", drafted)
+        schedule.verified([0], [accepted])
+
+    caps = schedule.caps["copy"]
     rate = caps.acceptance_rate(0)
     assert rate == pytest.approx(0.95)  # the prior
-    assert caps.host_caps([0]) == [AdaptiveCaps.CEILING + 1]  # no threshold: uncapped
-    assert caps.host_caps([0], 0.5) == [int(math.log(0.5) / math.log(rate))]
-    caps.host_update([0], [4], [1])  # one token accepted, then a rejection
+    assert length_at(0.5) == int(math.log(0.5) / math.log(rate))
+    kept(4, 1)  # one token accepted, then a rejection
     rate = caps.acceptance_rate(0)
     assert rate == pytest.approx(1.95 / 3.0)
-    assert caps.host_caps([0], 0.5) == [1]  # log 0.5 / log 0.65 = 1.6 (mean 1: cap 3)
-    assert caps.host_caps([0], 0.9) == [0]
-    assert caps.quiet_for([0]) == AdaptiveCaps.PROBE_AFTER - 1  # surely no draft until...
-    waits = [caps.host_caps([0], 0.9)[0] for _ in range(AdaptiveCaps.PROBE_AFTER)]
+    assert length_at(0.5) == 1  # log 0.5 / log 0.65 = 1.6 (mean 1: cap 3)
+    assert length_at(0.9) == 0
+    assert schedule.probes.quiet_for([0]) == AdaptiveCaps.PROBE_AFTER - 1  # no draft until...
+    waits = [length_at(0.9) for _ in range(AdaptiveCaps.PROBE_AFTER)]
     assert waits == [0] * (AdaptiveCaps.PROBE_AFTER - 1) + [1]  # ...the probe
-    # a failed probe doubles the wait for the next one; skipped iterations count towards it
-    caps.host_update([0], [1], [0])
-    caps.skip(2 * AdaptiveCaps.PROBE_AFTER - 1)
-    assert caps.host_caps([0], 0.9) == [0] and caps.host_caps([0], 0.9) == [1]
-    # where not even a certain token pays, no probe ever comes
-    assert caps.quiet_for([0], nothing_pays=True) == math.inf
-    assert [caps.host_caps([0], 1.2)[0] for _ in range(200)] == [0] * 200
-    caps.host_update([0], [1], [1])  # an accepted probe: the row drafts again
+    # a failed probe doubles the wait for the next one; iterations not asked count towards it
+    kept(1, 0)
+    schedule.skipped = 2 * AdaptiveCaps.PROBE_AFTER - 1
+    assert length_at(0.9) == 0 and length_at(0.9) == 1
+    # where not even a certain token pays, the schedule rests for good: no probe ever comes
+    assert [length_at(1.2) for _ in range(200)] == [0] * 200
+    assert schedule.quiet.remaining == math.inf
+    kept(1, 1)  # an accepted probe: the row drafts again
     # a row whose drafts (probes first) keep being accepted drafts longer and longer
     lengths = []
     for _ in range(60):
-        length = caps.host_caps([0], 0.9)[0]
+        length = length_at(0.9)
         lengths.append(length)
-        caps.host_update([0], [length], [length])
+        if length:
+            kept(length, length)
     drafts = [n for n in lengths if n > 0]
     assert drafts == sorted(drafts) and drafts[-1] > 4
 
@@ -247,21 +262,24 @@ def test_probe_waits_double_while_probes_fail_and_start_over_when_one_is_kept():
 def test_cpu_price_of_a_position_grows_with_the_active_rows():
     """On the CPU an adaptive drafter drafts what pays at CPU_PRICES for R active rows: a fresh
     row drafts long at batch 1 (to where CPU_PRICES.threshold(1) is reached) and not at all from
-    8 rows (not even a probe: no position pays there); --block-size, or CPU_PRICES None, leaves
-    the caps to acceptance alone."""
-    d = make_dictionary(12)
-    drafter, state = drafter_for(["w%d" % i for i in range(1, 12)], d)
-    drafter.adaptive = True
-    rows = list(range(32))
-    state.caps = AdaptiveCaps(32, float("inf"), "cpu")
-    room = torch.full((32,), 100)
-    one = drafter._row_caps(state, rows[:1], room[:1], 100)[0]
-    assert one == int(math.log(drafter.CPU_PRICES.threshold(1)) / math.log(0.95))
-    assert drafter.CPU_PRICES.threshold(8) >= 1.0 > drafter.CPU_PRICES.threshold(7)
-    for _ in range(3 * AdaptiveCaps.LONGEST_PROBE_WAIT):
-        assert drafter._row_caps(state, rows, room, 100) == [0] * 32
-    # the engine need not ask while 32 rows are left
-    assert (state.quiet.rows, state.quiet.remaining) == (32, math.inf)
-    drafter.CPU_PRICES = None
-    assert drafter._row_caps(state, rows, room, 100) == [100] * 32
-
+    8 rows (not even a probe: no position pays there), and the schedule then rests while 8 rows
+    or more are left; without prices the caps follow acceptance alone."""
+    schedule = DraftSchedule(32)
+    schedule.plan_drafts(["copy"], {}, None, CPU_PRICES, adaptive=True)
+    rows, limits = list(range(32)), [100] * 32
+    [[(_, kind, one)]] = schedule.plan(rows[:1], limits[:1])
+    assert (kind, one) == ("copy", int(math.log(CPU_PRICES.threshold(1)) / math.log(0.95)))
+    assert CPU_PRICES.threshold(8) >= 1.0 > CPU_PRICES.threshold(7)
+    assert schedule.plan(rows, limits) is None  # nothing pays at 32 rows
+    spell = schedule.quiet
+    assert (spell.rows, spell.fewest, spell.remaining) == (32, 8, math.inf)
+    # the engine need not ask while 8 rows or more are left, whatever the iteration
+    for active in (32, 31, 20, 8):
+        for iteration in range(3 * AdaptiveCaps.LONGEST_PROBE_WAIT):
+            assert not schedule.drafts_now(active, iteration)
+    assert schedule.drafts_now(7, 0) and schedule.quiet is None
+    # the iterations not asked count towards the rows' probes
+    assert schedule.skipped == 4 * 3 * AdaptiveCaps.LONGEST_PROBE_WAIT
+    acceptance_alone = DraftSchedule(32)
+    acceptance_alone.plan_drafts(["copy"], {}, None, None, adaptive=True)
+    assert acceptance_alone.plan(rows, limits) == [[(0.0, "copy", 100)]] * 32

@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 
 from fairseq_pardec.decoding.decode_stats import PartTimer
-from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
 from fairseq_pardec.decoding.draft_verify.decisions import Outcome
 from fairseq_pardec.decoding.draft_verify.margin_guard import RowReplay
 from fairseq_pardec.decoding.draft_verify.drafters.base import pad_drafts
+from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.interface import DecoderStep
 from fairseq_pardec.decoding.step.native import (DECIDE_EOS, DECIDE_SLOTS, DECIDE_TABLES,
@@ -73,8 +73,9 @@ class Batch:
         self._outcomes = {}
         self.views()
         self.cache = step.new_state(max_len=max_len)
-        self.backoff = DraftBackoff(bsz) if generator.backoff else None
-        # the drafter's state for this batch (Drafter.start)
+        # which rows draft, how much and when (drafters/schedule.py), and the drafter's state
+        # for this batch (Drafter.start)
+        self.schedule = DraftSchedule(bsz, backoff=generator.backoff)
         self.drafts = None
         # row count -> a block without drafts, less its tokens (Block.last_tokens)
         self.plain_blocks = {}
@@ -108,8 +109,7 @@ class Batch:
         self.longest = int(self.n_out_host.max()) if alive else 0
         if self.prefix_host is not None:
             self.prefix_host = self.prefix_host[alive_host]
-        if self.backoff is not None:
-            self.backoff.keep(alive_host)
+        self.schedule.keep(alive_host)
         alive_dev = to_device(alive_host, self.device)
         self.rows, self.n_out = self.rows[alive_dev], self.n_out[alive_dev]
         if self.prefix is not None:

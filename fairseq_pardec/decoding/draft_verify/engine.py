@@ -227,27 +227,21 @@ class DraftVerifyGenerator(StatsGenerator):
         with batch.encoder_timer:
             batch.set_encoder_out(encode(net_input))
         with batch.drafter_timer:
-            batch.drafts = self.drafter.start(sample, batch.encoder_out, bos)
+            batch.drafts = self.drafter.start(sample, batch.encoder_out, bos, batch.schedule)
         return batch
 
     def _draft(self, batch: Batch) -> Block:
         """1. Up to the room left before EOS is forced, the drafter's tokens for every row
         (a row inside its --prefix-size prefix drafts the prefix)."""
-        drafter, state = self.drafter, batch.drafts
+        drafter, state, schedule = self.drafter, batch.drafts, batch.schedule
         if batch.prefix is None or batch.prefix.size(1) == 0:
-            # a drafter that knows it drafts nothing now is not asked (drafts_now); nor is one
-            # whose every row waits in the back-off
-            if drafter.drafts_nothing or not drafter.drafts_now(state, len(batch.rows_host)):
+            # a drafter that drafts nothing is not asked, nor one whose schedule knows that no
+            # row drafts now (a quiet spell, every row waiting in the back-off)
+            if drafter.drafts_nothing or not schedule.drafts_now(len(batch.rows_host),
+                                                                 batch.iteration):
                 return Block.last_tokens(batch, self.pad, proposed=False)
-            if (drafter.quiet_spells and batch.backoff is not None
-                    and batch.backoff.waiting(batch.iteration)):
-                # a drafter with quiet spells counts such iterations itself; one without
-                # (heads, gad) is asked and shown each iteration as before
-                drafter.skip(state, len(batch.rows_host))
-                return Block.last_tokens(batch, self.pad, proposed=False)
-        room = batch.max_len - batch.n_out_host
-        if batch.backoff is not None:  # the back-off lives on the host (backoff.py)
-            room = batch.backoff.room(room, batch.iteration)
+        # the room before EOS is forced, less what the back-off withholds
+        room = schedule.room(batch.max_len - batch.n_out_host, batch.iteration)
         with batch.drafter_timer:
             drafts = self._propose(batch, room)
         q = state.draft_probs if self.sampler is not None else None
@@ -325,9 +319,7 @@ class DraftVerifyGenerator(StatsGenerator):
         else:
             gained = outcome.gained
             fewest, most = int(gained.min()), int(gained.max())
-            if batch.backoff is not None:
-                batch.backoff.update(block.lengths, outcome.accepted.tolist(),
-                                     batch.iteration - 1)
+            batch.schedule.backed_off(block.lengths, outcome.accepted, batch.iteration - 1)
         if block.proposed and type(self.drafter).observe is not Drafter.observe:
             self._observe(batch, features, outcome)
         if fewest == most:  # every row keeps as many entries: one tensor per count, kept

@@ -1,10 +1,11 @@
 """The drafter interface of the draft-and-verify engine, and what drafters share.
 
-A drafter gets the batch once (``start``) and is then asked, every iteration, for up to
-``max_len[b]`` draft tokens per active row given the tokens accepted so far. Shared by the
-drafters: the per-row caps that follow acceptance (``AdaptiveCaps``), when rows that draft
-nothing try again (``ProbeSchedule``), the iterations a drafter surely drafts nothing
-(``QuietSpell``) and its acceptance across batches (``AcceptanceHistory``).
+A drafter gets the batch once (``start``, which returns the batch's state) and is then asked,
+every iteration, for up to ``max_len[b]`` draft tokens per active row given the tokens accepted
+so far. The parts of a batch's schedule (schedule.py): the per-row caps and acceptance estimates
+(``AdaptiveCaps``), when rows that draft nothing try again (``ProbeSchedule``), the iterations
+in which surely no row drafts (``QuietSpell``) and a drafter's acceptance across batches
+(``AcceptanceHistory``).
 """
 
 import math
@@ -13,7 +14,6 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from fairseq_pardec.decoding.draft_verify.drafters.pricing import paying_length
 
 def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
     """Ragged python drafts -> (B, K) padded tensor and (B,) lengths, on ``device`` (the
@@ -102,26 +102,17 @@ class AdaptiveCaps:
 
     On the CPU the means are a Python list (double precision too), read and updated with a few
     list operations per row where tensor operations cost a few microseconds each; elsewhere they
-    stay on the device, so that no iteration reads the device for them.
+    stay on the device, so that no iteration reads the device for them (the drafter models'
+    caps).
 
-    On the CPU a caller may also name a *threshold* (``host_caps``): the least probability of
-    acceptance at which a draft position pays for its verification. Each row then keeps an
-    estimate of its per-position acceptance rate p (counts of accepted draft tokens and of first
-    rejections, earlier drafts weighted down by RATE_DECAY, after a prior of 0.95): the j-th draft
-    token is accepted with probability about p^j, so the row drafts at most the longest length
-    whose last position still reaches the threshold. A row left at no draft by it probes with
-    one token after ``PROBE_AFTER`` iterations, then after twice as many while its probes fail
-    (up to ``LONGEST_PROBE_WAIT``), so that its estimate can recover; where even a certain
-    token would not pay (threshold 1 or more) it neither drafts nor probes. Such rows make the
-    drafter *quiet* (``quiet_for``): it knows for how many iterations it will draft nothing,
-    and the engine then takes plain steps without asking it (``Drafter.drafts_now``).
-
-    With *prices* instead (``priced_caps``, pricing.py) a row drafts the length that gains the
-    most over what its positions and its drafting cost, or nothing where no length pays; its
-    probes then come after 8, 16, 32, then every ``LONGEST_PROBE_WAIT`` iterations while they
-    fail (a probe costs a drafting row and a position for nothing on a model that never copies),
-    and a fresh row's prior is the drafter's acceptance over the rows before it
-    (:class:`AcceptanceHistory`), so that a batch on such a model does not start by drafting.
+    On the host each row also keeps an estimate of its per-position acceptance rate p (counts of
+    accepted draft tokens and of first rejections, earlier drafts weighted down by RATE_DECAY,
+    after a prior: 0.95, or with a ``history`` the drafter's rate over the rows before it): the
+    j-th draft token is accepted with probability about p^j. A batch's schedule
+    (schedule.py) prices drafts by it: a row drafts the length that gains the most over what
+    its positions and its drafting cost, or nothing where no length pays; and with a history a
+    fresh row's first cap is what the drafter's recent drafts were worth, so that a batch on a
+    model that does not copy does not start by drafting.
     """
 
     CEILING = 2 ** 30
@@ -141,8 +132,6 @@ class AdaptiveCaps:
             self.mean = [float(initial)] * rows
             self.accepted = [0.0] * rows
             self.rejected = [0.0] * rows
-            # a fresh row waits as long for its first probe as the drafter's last rows did
-            self.probes = ProbeSchedule(rows, history)
         else:
             self.mean = torch.full((rows,), float(initial), dtype=torch.float64, device=device)
 
@@ -152,15 +141,10 @@ class AdaptiveCaps:
             return torch.tensor(self.host_caps(rows.tolist()), dtype=torch.long)
         return (2 * self.mean[rows]).clamp(max=self.CEILING).long() + 1
 
-    def host_caps(self, rows: List[int], threshold: Optional[float] = None) -> List[int]:
-        """``caps`` on the host (CPU only); with a ``threshold``, each row's cap also stops
-        where its next position would be accepted with a lower probability. Called once per
-        iteration (it counts a row's iterations without a draft)."""
+    def host_caps(self, rows: List[int]) -> List[int]:
+        """``caps`` on the host (CPU only)."""
         mean = self.mean
-        caps = [int(min(2 * mean[r], self.CEILING)) + 1 for r in rows]
-        if threshold is None:
-            return caps
-        return [min(cap, self._paying_length(r, threshold)) for r, cap in zip(rows, caps)]
+        return [int(min(2 * mean[r], self.CEILING)) + 1 for r in rows]
 
     def acceptance_rate(self, row: int) -> float:
         """The row's estimated probability that a draft token is accepted, given the ones
@@ -172,50 +156,6 @@ class AdaptiveCaps:
             prior_rejected = 1.0 - prior_accepted
         accepted = self.accepted[row] + prior_accepted
         return accepted / (accepted + self.rejected[row] + prior_rejected)
-
-    def priced_caps(self, rows: List[int], value: float, position: float, drafting_row: float,
-                    limits: List[int]) -> List[int]:
-        """Per row the length that pays at these prices (pricing.paying_length), within its
-        ``limits`` and twice its recent mean plus one; a probe of one token after the row's
-        wait (CPU lists only). Called once per iteration."""
-        if value <= position:  # not even a certain token pays: no draft, and no probe
-            return [0] * len(rows)
-        caps = []
-        mean, probes = self.mean, self.probes
-        for r, limit in zip(rows, limits):
-            cap = min(limit, int(min(2 * mean[r], self.CEILING)) + 1)
-            length = paying_length(self.acceptance_rate(r), value, position, drafting_row, cap)
-            if length > 0:
-                probes.drafted(r)
-            elif cap > 0 and probes.probes_now(r):
-                length = 1
-            caps.append(length)
-        return caps
-
-    def _paying_length(self, row: int, threshold: float) -> int:
-        if threshold >= 1.0:  # not even a certain token pays: no draft, and no probe
-            return 0
-        rate = self.acceptance_rate(row)
-        length = int(math.log(threshold) / math.log(rate)) if threshold > 0.0 else 0
-        if length >= 1:
-            self.probes.drafted(row)
-            return length
-        return 1 if self.probes.probes_now(row) else 0
-
-    def quiet_for(self, rows: List[int], limits: Optional[List[int]] = None,
-                  nothing_pays: bool = False) -> float:
-        """After a call that gave every one of ``rows`` no draft: how many iterations will
-        surely give them none again, until their first probe (rows whose ``limits`` is 0 do
-        not probe); ``inf`` where ``nothing_pays`` (not even a certain token would). Their
-        rates do not change meanwhile: nothing is drafted."""
-        if nothing_pays:
-            return math.inf
-        return self.probes.quiet_for(rows, limits)
-
-    def skip(self, iterations: int):
-        """``iterations`` passed without a ``host_caps`` call (the drafter was quiet): every
-        row's wait for its probe moves on by them."""
-        self.probes.skip(iterations)
 
     def update(self, rows: Tensor, drafted: Tensor, accepted: Tensor):
         """After a verification: ``drafted`` (B,) draft lengths, ``accepted`` (B,) draft tokens
@@ -241,15 +181,14 @@ class AdaptiveCaps:
                 rate_rejected[r] = self.RATE_DECAY * rate_rejected[r] + (kept < tried)
                 if history is not None:
                     history.update(kept, kept < tried, mean[r])
-                self.probes.verified(r, kept)
 
 
 class QuietSpell:
-    """Iterations in which a drafter surely drafts nothing (``Drafter.drafts_now``): while the
-    count of active rows stays between ``fewest`` and ``rows`` (by default exactly ``rows``:
-    fewer rows change the prices), ``remaining`` more of them; ``skipped`` counts those that
-    passed. Kept in the batch's state and changed in place: the engine asks every iteration, so
-    that asking costs next to nothing."""
+    """Iterations in which a drafter surely drafts nothing (``DraftSchedule.drafts_now``):
+    while the count of active rows stays between ``fewest`` and ``rows`` (by default exactly
+    ``rows``: fewer rows change the prices), ``remaining`` more of them; ``skipped`` counts
+    those that passed. Kept in the batch's schedule and changed in place: the engine asks every
+    iteration, so that asking costs next to nothing."""
 
     __slots__ = ("rows", "fewest", "remaining", "skipped")
 
@@ -301,7 +240,7 @@ class AcceptanceHistory:
 
 class DraftState:
     """One batch's values of a drafter: made by ``start`` and handed back to every call of that
-    batch (``drafts_now``, ``skip``, ``propose``, ``observe``). The drafter itself keeps only
+    batch (``propose``, ``observe``). The drafter itself keeps only
     what holds across batches (its options, its acceptance history, its prices), so threads
     that share one generator, and so its drafter, each decode their own batch."""
 
@@ -339,9 +278,6 @@ class Drafter:
     # True for a drafter that never drafts (NoDrafter): the engine then builds one-position
     # blocks directly and keeps no back-off
     drafts_nothing = False
-    # True for a drafter with quiet spells (drafts_now): the engine may then also skip asking
-    # it where the back-off leaves no row room (it counts such iterations, ``skip``)
-    quiet_spells = False
 
     def set_sampler(self, sampler, temperature: float = 1.0):
         """Called once by a sampling engine: draw drafts with ``sampler`` (its filter and its
@@ -356,8 +292,10 @@ class Drafter:
         tokens = self.sampler.sample(flat).view(probs.shape[:-1])
         return tokens, probs
 
-    def start(self, sample, encoder_out, bos: int) -> DraftState:
-        """Called once per batch, before the first iteration: the batch's state."""
+    def start(self, sample, encoder_out, bos: int, schedule=None) -> DraftState:
+        """Called once per batch, before the first iteration: the batch's state. ``schedule``:
+        the batch's DraftSchedule (schedule.py), which a drafter on the host has plan its
+        rows' drafts (None: a drafter that plans makes its own)."""
         return DraftState()
 
     def propose(self, state: DraftState, rows: Tensor, tokens: Tensor, n_out: Tensor,
@@ -374,18 +312,6 @@ class Drafter:
             (B, K) drafts padded with ``pad`` and (B,) their lengths.
         """
         raise NotImplementedError
-
-    def drafts_now(self, state: DraftState, active_rows: int) -> bool:
-        """Asked by the engine before each iteration's ``propose``: False where the drafter
-        knows it would draft nothing for any of the ``active_rows`` rows (its rows' estimates
-        say no draft pays, and none is due to probe). The engine then takes a plain step and
-        calls neither ``propose`` nor ``observe``: an iteration that drafts nothing costs what
-        a greedy step costs. A drafter answering False counts such iterations itself."""
-        return True
-
-    def skip(self, state: DraftState, active_rows: int):
-        """An iteration of ``active_rows`` rows passed without ``propose`` although
-        ``drafts_now`` said True (the engine's back-off left no row room to draft)."""
 
     def observe(self, state: DraftState, rows: Tensor, features: Tensor, last: Tensor,
                 tokens: Tensor = None):

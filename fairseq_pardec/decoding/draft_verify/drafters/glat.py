@@ -57,7 +57,7 @@ class NARDrafter(Drafter):
         net = sample["net_input"]
         return self.model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
 
-    def start(self, sample, encoder_out, bos: int) -> NARState:
+    def start(self, sample, encoder_out, bos: int, schedule=None) -> NARState:
         state = NARState()
         state.encoder_out = self._encoder_out(sample, encoder_out)
         state.active_encoder_out = state.encoder_out
@@ -119,7 +119,7 @@ class CachedNARDrafter(NARDrafter):
         self.mask_token = model.mask_index()
         self.max_step = model.max_decoder_positions() - 1
 
-    def start(self, sample, encoder_out, bos: int) -> NARState:
+    def start(self, sample, encoder_out, bos: int, schedule=None) -> NARState:
         state = NARState()
         state.encoder_out = self._encoder_out(sample, encoder_out)
         bsz = sample["net_input"]["src_tokens"].size(0)

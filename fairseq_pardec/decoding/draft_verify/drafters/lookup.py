@@ -22,9 +22,12 @@ from typing import List, Optional, Tuple
 import torch
 
 from fairseq_pardec.errors import UsageError
-from fairseq_pardec.decoding.draft_verify.drafters.source_copy import CopyDrafter, CopyState
+from fairseq_pardec.decoding.draft_verify.drafters.source_copy import COPY, CopyDrafter, CopyState
 
 logger = logging.getLogger(__name__)
+
+LOOKUP = "lookup"  # the kinds of draft: the source's or the output's own continuation of a match,
+NGRAM = "ngram"  # and the n-gram table's
 
 
 class NgramTable:
@@ -195,9 +198,12 @@ class LookupDrafter(CopyDrafter):
         super().__init__(src_dict, tgt_dict, block_size=block_size, adaptive=adaptive,
                          prices=prices)
         self.table = table
+        # one kind of draft: a local match, else the table's continuation
+        self.kinds = [LOOKUP]
+        self.table_fallback = True
 
-    def start(self, sample, encoder_out, bos: int) -> LookupState:
-        state = super().start(sample, encoder_out, bos)
+    def start(self, sample, encoder_out, bos: int, schedule=None) -> LookupState:
+        state = super().start(sample, encoder_out, bos, schedule)
         state.output_positions = [{} for _ in range(state.rows)]
         state.indexed = [0] * state.rows
         return state
@@ -234,15 +240,12 @@ class LookupDrafter(CopyDrafter):
                 return output[at + 1: at + 1 + cap]
         return []
 
-    def propose(self, state, rows, tokens, n_out, max_len):
-        began = state.clock.now() if state.clock is not None else None
-        drafts = []
-        row_ids, lengths = rows.tolist(), n_out.tolist()
-        caps = self._row_caps(state, row_ids, max_len, self._ceiling(state, len(row_ids)))
-        self._read_drafting_rows(state, row_ids, tokens, lengths, caps)
-        for row, cap in zip(row_ids, caps):
-            draft = self._local(state, row, cap) if cap > 0 else []
-            if not draft and cap > 0 and self.table is not None:
-                draft = self.table.continuation(state.outputs[row], cap)
-            drafts.append(draft)
-        return self._drafts_out(state, rows, drafts, tokens.device, began)
+    def cheap_draft(self, state: LookupState, kind: str, row: int, n: int,
+                    length: int) -> List[int]:
+        if kind == COPY:
+            return super().cheap_draft(state, kind, row, n, length)
+        if kind == LOOKUP:
+            draft = self._local(state, row, length)
+            if draft or not self.table_fallback or self.table is None:
+                return draft
+        return self.table.continuation(state.outputs[row], length)

@@ -46,7 +46,7 @@ class HeadsDrafter(Drafter):
         # the heads share the base's vocabulary projection (p_1's own output layer may differ)
         self.project = draft_projection(base_projection(decoder), dictionary, draft_vocab)
 
-    def start(self, sample, encoder_out, bos: int) -> HeadsState:
+    def start(self, sample, encoder_out, bos: int, schedule=None) -> HeadsState:
         src = sample["net_input"]["src_tokens"]
         state = HeadsState()
         state.next_draft = src.new_full((src.size(0), max(self.width, 0)), self.pad)

@@ -1,21 +1,21 @@
 """Input-guided aggressive decoding's drafter (IAD): copy drafts from the source."""
 
 import logging
-import math
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
-                                                                DraftState, Drafter, QuietSpell,
-                                                                pad_drafts)
+from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, DraftState,
+                                                                Drafter, pad_drafts)
+from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
 from fairseq_pardec.decoding.step.static import draft_cap_for_bucket
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (CPU_PRICES, FixedPrices,
-                                                                  IterationClock,
-                                                                  IterationPrices, paying_length)
+                                                                  IterationPrices)
 
 logger = logging.getLogger(__name__)
+
+COPY = "copy"  # the kind of draft: the source after the output's match
 
 
 class SourceVocabularyMap:
@@ -64,11 +64,10 @@ class CopyState(DraftState):
         self.bos = self.src_pad = None
         self.last_match = []  # per row: (source index, output length) of its last match
         self.outputs = []  # per row: BOS + the accepted tokens read so far
-        self.caps = None  # the rows' AdaptiveCaps (on the host)
-        self.drafted = None  # (rows, lengths) of the last propose, for observe
-        self.clock = None  # the iterations' timing, with measured prices
-        self.quiet = None  # the QuietSpell under way, if any (drafts_now)
-        self.skipped = 0  # iterations not asked since the last propose (the probes' count)
+        # what each row drafts, how much and when (schedule.py): caps, prices, probes, quiet
+        # spells and the back-off
+        self.schedule = None
+        self.drafted_rows = None  # the rows of the last propose that drafted, for observe
 
     def source(self, row: int) -> List[int]:
         """[BOS] + the row's source in target ids; its tokens' places are then in
@@ -123,7 +122,9 @@ class CopyDrafter(Drafter):
     GPU_MIN_CEILING = 16
 
     observes_features = False  # observe reads only how much of each draft was accepted
-    quiet_spells = True
+    # whether the schedule may rest (quiet spells: the drafter is not asked while no row would
+    # draft); False for a drafter model that drafts from every verification
+    rests = True
     State = CopyState  # what ``start`` makes (the drafters built on this one add to it)
 
     def __init__(self, src_dict, tgt_dict, block_size=None, adaptive=False,
@@ -142,6 +143,8 @@ class CopyDrafter(Drafter):
         # (on the CPU): on a model whose drafts are rejected (translation) a new sentence does
         # not open with a long rejected draft, on one that copies it drafts from the start
         self.history = AcceptanceHistory() if adaptive else None
+        # the kinds of draft the schedule chooses among for a row (schedule.py)
+        self.kinds = [COPY]
 
     def set_sampler(self, sampler, temperature: float = 1.0):
         super().set_sampler(sampler, temperature)
@@ -150,7 +153,8 @@ class CopyDrafter(Drafter):
             # the timing, one --seed would give other samples on another run
             self.prices = FixedPrices()
 
-    def start(self, sample, encoder_out, bos: int) -> "CopyState":
+    def start(self, sample, encoder_out, bos: int,
+              schedule: Optional[DraftSchedule] = None) -> CopyState:
         src = sample["net_input"]["src_tokens"]
         state = self.State()
         state.on_cpu = src.device.type == "cpu"
@@ -164,30 +168,34 @@ class CopyDrafter(Drafter):
         # BOS + the accepted tokens seen so far, per row: accepted tokens never change, so each
         # iteration reads only the new ones from the engine's buffer
         state.outputs = [[bos] for _ in range(rows)]
-        # the caps live on the host whatever the device: the engine gives this drafter its
-        # host tables, and what it drafts is decided there
-        state.caps = AdaptiveCaps(rows, float("inf"), "cpu", self.history)
-        state.clock = IterationClock(self.prices) if self.prices is not None else None
-        # the iterations in which the caps surely give every row no draft (drafts_now)
-        state.quiet = self._fresh_spell(state, rows)
+        # the schedule lives on the host whatever the device: the engine gives this drafter
+        # its host tables, and what it drafts is decided there
+        state.schedule = schedule if schedule is not None else DraftSchedule(rows)
+        self._plan_drafts(state.schedule, state)
+        # a batch whose fresh rows would all draft nothing at these prices (the drafter's
+        # acceptance so far does not pay) starts quiet, until their first probe: on a model
+        # whose drafts are rejected a sentence is not asked for drafts at its first token
+        if self.rests:
+            state.schedule.quiet_at_start(self._ceiling(state, rows))
         return state
 
-    def _fresh_spell(self, state: "CopyState", rows: int):
-        """A batch whose fresh rows would all draft nothing at the CPU's prices (the drafter's
-        acceptance so far does not pay) starts quiet, until their first probe: on a model
-        whose drafts are rejected a sentence is not asked for drafts at its first token."""
-        if not (self.adaptive and state.on_cpu and self.block_size is None
-                and self.prices is None and self.CPU_PRICES is not None and rows > 0):
-            return None
-        value, position, drafting_row = self.CPU_PRICES.prices(rows)
-        if value <= position:  # while at least as many rows are left as pay nothing
-            return QuietSpell(rows, math.inf, self.CPU_PRICES.nothing_pays_from(rows))
-        rate = state.caps.acceptance_rate(0)  # every row's, fresh
-        if paying_length(rate, value, position, drafting_row, AdaptiveCaps.CEILING) > 0:
-            return None
-        return QuietSpell(rows, state.caps.probes.wait[0])
+    def _plan_drafts(self, schedule: DraftSchedule, state: CopyState):
+        """Have the batch's schedule plan this drafter's kinds of draft."""
+        schedule.plan_drafts(self.kinds, {kind: self.history for kind in self.kinds},
+                             self.history, self._prices(state), self.adaptive)
 
-    def _match(self, state: "CopyState", row: int, output: List[int]):
+    def _prices(self, state: CopyState) -> Optional[IterationPrices]:
+        """The prices this batch's drafts must pay: the given ones, else on the CPU with no
+        --block-size the CPU's; None (adaptive caps: each row's recent acceptance alone)."""
+        if not self.adaptive:
+            return None
+        if self.prices is not None:
+            return self.prices
+        if state.on_cpu and self.block_size is None:
+            return self.CPU_PRICES
+        return None
+
+    def _match(self, state: CopyState, row: int, output: List[int]):
         """Index in the source of the match of the output's last token, or None."""
         source = state.source(row)
         candidates = state.positions[row].get(output[-1])
@@ -206,7 +214,7 @@ class CopyDrafter(Drafter):
             return min(candidates, key=lambda i: (abs(i - expected), i))
         return candidates[0]
 
-    def _ceiling(self, state: "CopyState", active_rows: int):
+    def _ceiling(self, state: CopyState, active_rows: int):
         """The cap every row drafts under this iteration."""
         if self.block_size is not None:
             return self.block_size
@@ -218,59 +226,8 @@ class CopyDrafter(Drafter):
         share = self.CPU_POSITIONS // max(1, active_rows)
         return max(self.CPU_MIN_CEILING, min(self.CPU_MAX_CEILING, share))
 
-    def _row_caps(self, state: "CopyState", rows: List[int], max_len: Tensor,
-                  ceiling) -> List[int]:
-        """Most draft tokens per row now: its room, the ceiling, and (adaptive) its own cap."""
-        self._catch_up(state)
-        caps = max_len.tolist()
-        if ceiling is not None:
-            caps = [min(cap, ceiling) for cap in caps]
-        if self.adaptive and self.prices is not None:
-            value, position, drafting_row = self.prices.prices(len(rows))
-            return state.caps.priced_caps(rows, value, position, drafting_row, caps)
-        if self.adaptive:
-            if state.on_cpu and self.block_size is None and self.CPU_PRICES is not None:
-                # the CPU's prices: per row the length that pays for its positions and its
-                # drafting (AdaptiveCaps.priced_caps), under its recent mean
-                value, position, drafting_row = self.CPU_PRICES.prices(len(rows))
-                own = state.caps.priced_caps(rows, value, position, drafting_row, caps)
-                if max(own, default=1) == 0:
-                    nothing_pays = value <= position
-                    spell = state.caps.quiet_for(rows, caps, nothing_pays=nothing_pays)
-                    fewest = (self.CPU_PRICES.nothing_pays_from(len(rows)) if nothing_pays
-                              else len(rows))
-                    state.quiet = QuietSpell(len(rows), spell, fewest) if spell > 0 else None
-                return own
-            own = state.caps.host_caps(rows)
-            caps = [min(cap, mine) for cap, mine in zip(caps, own)]
-        return caps
-
-    def drafts_now(self, state: "CopyState", active_rows: int) -> bool:
-        spell = state.quiet
-        if spell is None:
-            return True
-        if spell.step(active_rows):  # rows that finish change the prices: the spell ends
-            self._not_asked(state, active_rows)
-            return False
-        state.quiet = None
-        state.skipped += spell.skipped
-        return True
-
-    def skip(self, state: "CopyState", active_rows: int):
-        state.skipped += 1
-        self._not_asked(state, active_rows)
-
-    def _not_asked(self, state: "CopyState", active_rows: int):
-        """An iteration passed without ``propose`` (subclasses keep their statistics)."""
-
-    def _catch_up(self, state: "CopyState"):
-        """The iterations that passed without ``propose`` count towards the rows' probes."""
-        if state.skipped:
-            state.caps.skip(state.skipped)
-            state.skipped = 0
-
     @staticmethod
-    def _read_new_tokens(state: "CopyState", row_ids: List[int], tokens: Tensor,
+    def _read_new_tokens(state: CopyState, row_ids: List[int], tokens: Tensor,
                          n_out: List[int]):
         """Append each row's tokens accepted since the last call, from the engine's table on
         the host (a view of its buffer: each row's new tokens are one slice)."""
@@ -280,7 +237,7 @@ class CopyDrafter(Drafter):
             if n + 1 > known:
                 state.outputs[row].extend(table[i, known: n + 1].tolist())
 
-    def _read_drafting_rows(self, state: "CopyState", row_ids: List[int], tokens: Tensor,
+    def _read_drafting_rows(self, state: CopyState, row_ids: List[int], tokens: Tensor,
                             lengths: List[int], caps: List[int]):
         """Bring the outputs of the rows that may draft now up to date (a row's tokens are
         read when it next drafts: at batch 32 on the CPU most rows draft nothing)."""
@@ -292,34 +249,66 @@ class CopyDrafter(Drafter):
                                   [lengths[i] for i in drafting])
 
     def propose(self, state, rows, tokens, n_out, max_len):
-        began = state.clock.now() if state.clock is not None else None
-        drafts = []
+        schedule = state.schedule
+        began = schedule.start_clock()
         row_ids, lengths = rows.tolist(), n_out.tolist()
-        caps = self._row_caps(state, row_ids, max_len, self._ceiling(state, len(row_ids)))
-        self._read_drafting_rows(state, row_ids, tokens, lengths, caps)
-        for row, n, limit in zip(row_ids, lengths, caps):
-            output = state.outputs[row]
-            at = self._match(state, row, output) if limit > 0 else None
-            if at is None:
-                drafts.append([])
-                continue
-            state.last_match[row] = (at, n)
-            drafts.append(state.sources[row][at + 1 : at + 1 + limit])
-        return self._drafts_out(state, rows, drafts, tokens.device, began)
+        ceiling = self._ceiling(state, len(row_ids))
+        limits = [min(room, ceiling) for room in max_len.tolist()]
+        plans = schedule.plan(row_ids, limits, may_rest=self.rests)
+        if plans is None:
+            return self._nothing(state, rows, began)
+        self._read_drafting_rows(state, row_ids, tokens, lengths, [len(p) for p in plans])
+        drafts, kinds = self._cheap_drafts(state, row_ids, lengths, plans)
+        schedule.chose(row_ids, kinds, drafts)
+        schedule.tick(began, len(row_ids), drafts)
+        return self._drafts_out(state, row_ids, drafts, tokens.device)
 
-    def _drafts_out(self, state: "CopyState", rows, drafts: List[List[int]], device, began):
-        """The padded drafts and their lengths, kept for ``observe``; the iteration's clock
-        (measured prices) starts at ``began``."""
-        if began is not None:
-            state.clock.tick(began, len(drafts), sum(len(d) for d in drafts),
-                            sum(1 for d in drafts if d))
+    def _cheap_drafts(self, state: CopyState, row_ids: List[int], lengths: List[int],
+                      plans: List[List[tuple]]):
+        """Per row the draft of the first of its planned options that drafts anything, and
+        that option's kind (None: no draft)."""
+        drafts, kinds = [], []
+        for row, n, options in zip(row_ids, lengths, plans):
+            draft, chosen = [], None
+            for _, kind, length in options:
+                draft = self.cheap_draft(state, kind, row, n, length)
+                if draft:
+                    chosen = kind
+                    break
+            drafts.append(draft)
+            kinds.append(chosen)
+        return drafts, kinds
+
+    def cheap_draft(self, state: CopyState, kind: str, row: int, n: int,
+                    length: int) -> List[int]:
+        """Up to ``length`` tokens of the model-free drafter ``kind`` for ``row`` after its
+        output so far (``n`` tokens; a copy match moves the row's expected place in the
+        source); benchmark/draft_ceiling.py scores them on greedy outputs."""
+        at = self._match(state, row, state.outputs[row])
+        if at is None:
+            return []
+        state.last_match[row] = (at, n)
+        return state.sources[row][at + 1: at + 1 + length]
+
+    def _nothing(self, state: CopyState, rows, began):
+        """No row drafts in this iteration: empty drafts, and nothing for ``observe``."""
+        active = rows.numel()
+        state.schedule.count_none(active)
+        state.schedule.tick(began, active, [])
+        state.drafted_rows = None
+        state.host_drafts = [[]] * active
+        lengths = torch.zeros(active, dtype=torch.long, device=rows.device)
+        return lengths.new_zeros(active, 0), lengths
+
+    def _drafts_out(self, state: CopyState, row_ids: List[int], drafts: List[List[int]],
+                    device):
+        """The padded drafts and their lengths; the rows are kept for ``observe``."""
         draft, drafted = pad_drafts(drafts, self.pad, device)
-        state.drafted = (rows, drafted)  # observe's rows are these (tests pass none)
+        state.drafted_rows = row_ids
         state.host_drafts = drafts  # the engine builds a host-decided block from the lists
         return draft, drafted
 
     def observe(self, state, rows, features, last, tokens=None):
-        if self.adaptive and state.drafted is not None:
-            drafted_rows, drafted = state.drafted
-            state.caps.host_update(drafted_rows.tolist(), drafted.tolist(), last.tolist())
-        state.drafted = None
+        if self.adaptive and state.drafted_rows is not None:
+            state.schedule.verified(state.drafted_rows, last.tolist())
+        state.drafted_rows = None
