@@ -18,7 +18,6 @@ and when it probes, per drafter (drafters/auto.py).
 
 from typing import List
 
-import torch
 from torch import Tensor
 
 
@@ -36,16 +35,16 @@ class DraftBackoff:
         self.failures = [0] * bsz
         self.resume = [0] * bsz  # the first iteration at which the row may draft again
 
-    def room(self, room: Tensor, iteration: int) -> Tensor:
-        """The draft room of each row (a CPU tensor) at ``iteration``: none while it waits, a
-        probe's after its wait."""
+    def room(self, room: List[int], iteration: int) -> List[int]:
+        """The draft room of each row at ``iteration``: none while it waits, a probe's after
+        its wait."""
         allowed = []
-        for r, failures, resume in zip(room.tolist(), self.failures, self.resume):
+        for r, failures, resume in zip(room, self.failures, self.resume):
             if iteration < resume:
                 allowed.append(0)
             else:
                 allowed.append(min(r, self.PROBE) if failures > self.TOLERATED else r)
-        return torch.tensor(allowed, dtype=room.dtype)
+        return allowed
 
     def waiting(self, iteration: int) -> bool:
         """Whether every row waits at ``iteration`` (the engine then asks for no drafts)."""

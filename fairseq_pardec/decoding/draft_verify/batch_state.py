@@ -82,6 +82,8 @@ class Batch:
         # (row count, width) -> what a block whose rows draft as many tokens shares
         # (Block.from_lists)
         self.dense_blocks = {}
+        # width -> the block positions 0 .. width on the device (Block.from_lists)
+        self.block_cols = {}
         # (row count, count) -> (B,) tensor of count on the device (uniform_gains)
         self._uniform_gains = {}
         self.finalized = [[] for _ in range(bsz)]
@@ -292,7 +294,10 @@ class Block:
             block.cols, block.pad, block.layout = dense
             block.host_arrays(grid)
         else:  # real positions packed time-major: position j of every row, then j + 1
-            block.cols = torch.arange(width + 1, device=batch.device)
+            cols = batch.block_cols.get(width)
+            if cols is None:
+                cols = batch.block_cols[width] = torch.arange(width + 1, device=batch.device)
+            block.cols = cols
             length_array = np.array(lengths, dtype=np.int64)
             real = np.arange(width + 1) <= length_array[:, None]  # (rows, width + 1)
             order = real.T.reshape(-1)  # time-major
@@ -300,7 +305,8 @@ class Block:
             packed = np.full(order.size, -1, dtype=np.int64)
             packed[index] = np.arange(index.size)
             block.pos = np.ascontiguousarray(packed.reshape(width + 1, rows).T)
-            block.pad = to_device(torch.from_numpy(~real), batch.device)
+            # a fresh array, never written again: on the CPU no copy of its own
+            block.pad = torch.from_numpy(~real).to(batch.device, non_blocking=True)
             block.layout = BlockLayout.from_host(block.pad, index, block.pos)
             block.host_arrays(grid, torch.from_numpy(length_array), torch.from_numpy(block.pos))
         return block

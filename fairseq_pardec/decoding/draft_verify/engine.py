@@ -241,7 +241,8 @@ class DraftVerifyGenerator(StatsGenerator):
                                                                  batch.iteration):
                 return Block.last_tokens(batch, self.pad, proposed=False)
         # the room before EOS is forced, less what the back-off withholds
-        room = schedule.room(batch.max_len - batch.n_out_host, batch.iteration)
+        max_len = batch.max_len
+        room = schedule.room([max_len - n for n in batch.n_out_np.tolist()], batch.iteration)
         with batch.drafter_timer:
             drafts = self._propose(batch, room)
         q = state.draft_probs if self.sampler is not None else None
@@ -250,25 +251,21 @@ class DraftVerifyGenerator(StatsGenerator):
             return Block.last_tokens(batch, self.pad)
         return Block.from_lists(batch, drafts, self.pad, q)
 
-    def _propose(self, batch: Batch, room: Tensor) -> List[List[int]]:
-        """The drafter's drafts as lists. A drafter on the host reads the host's tables; one on
-        the device (a drafter model) gets their copies, and its drafts are read."""
+    def _propose(self, batch: Batch, room: List[int]) -> List[List[int]]:
+        """The drafter's drafts as lists. A drafter on the host reads the host's tables and
+        lists; one on the device (a drafter model) gets their copies, and its drafts are
+        read."""
         drafter, state = self.drafter, batch.drafts
         if drafter.on_device:  # (the token table is copied for a drafter that reads it)
             device, tokens = batch.device, batch.tokens if drafter.reads_tokens else None
             if tokens is not None:
                 tokens = to_device(tokens, device)
-            draft, lengths = drafter.propose(state, batch.rows, tokens, batch.n_out,
-                                             to_device(room, device))
+            room = torch.tensor(room, dtype=torch.long).to(device, non_blocking=True)
+            draft, lengths = drafter.propose(state, batch.rows, tokens, batch.n_out, room)
             host = self.read(torch.cat([lengths.unsqueeze(1), draft], 1)).tolist()
             return [row[1: 1 + row[0]] for row in host]
-        draft, lengths = drafter.propose(state, torch.tensor(batch.rows_host), batch.tokens,
-                                         batch.n_out_host, room)
-        lists = state.host_drafts
-        if lists is not None:
-            state.host_drafts = None
-            return lists
-        return [row[:n] for row, n in zip(draft.tolist(), lengths.tolist())]
+        return drafter.propose_lists(state, batch.rows_host, batch.tokens,
+                                     batch.n_out_np.tolist(), room)
 
     def _verify(self, batch: Batch, block: Block):
         """2. One decoder call over every row's [last accepted token, draft]; the position-wise
@@ -333,6 +330,10 @@ class DraftVerifyGenerator(StatsGenerator):
         reads them, the verifier's features there and that token (blockwise decoding's
         proposal heads: merged invocation)."""
         drafter, device = self.drafter, batch.device
+        if not drafter.observes_features and not drafter.on_device:  # lists suffice
+            with batch.drafter_timer:
+                drafter.observe_kept(batch.drafts, batch.rows_host, (outcome.gained - 1).tolist())
+            return
         last = torch.from_numpy(outcome.gained - 1)
         last_features = last_tokens = None
         if drafter.observes_features:

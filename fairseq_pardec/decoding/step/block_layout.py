@@ -45,17 +45,18 @@ class BlockLayout:
     def from_host(cls, block_pad: Tensor, index: np.ndarray, pos: np.ndarray) -> "BlockLayout":
         """The layout of a ragged block whose packing the caller computed on the host
         (``index``: (N,) int64, the grid position of each packed row; ``pos``: (B, L) int64,
-        per row and block position its packed row, -1 at padding)."""
+        per row and block position its packed row, -1 at padding), fresh arrays that nothing
+        writes again."""
         layout = cls.__new__(cls)
         layout.batch, layout.length = block_pad.shape
         layout.dense = False
         layout.block_pad = block_pad
-        # copies, so those to the device are queued without waiting for it while the host's
-        # arrays may change
+        # on the CPU the arrays themselves; elsewhere copies queued without waiting for the
+        # device (never written again, the host's arrays need no copy of their own)
         device = block_pad.device
-        layout.index = torch.from_numpy(index).to(device, non_blocking=True, copy=True)
+        layout.index = torch.from_numpy(index).to(device, non_blocking=True)
         layout.size = len(index)
-        layout.pos = torch.from_numpy(pos).to(device, non_blocking=True, copy=True)
+        layout.pos = torch.from_numpy(pos).to(device, non_blocking=True)
         return layout
 
     def pack_time_major(self, t: Tensor) -> Tensor:

@@ -110,6 +110,10 @@ class FastCache:
         self.values: List[Tensor] = []
         self.length = 0
         self.masked: Optional[Tensor] = None
+        # per row, how many entries of ``masked[:, :length]`` are set, as the rollbacks left
+        # them (None: to be counted): the engine's per-iteration bookkeeping of holes, kept on
+        # the host where a few list operations cost less than the tensor operations
+        self.holes: Optional[List[int]] = None
         self.enc_keys: List[Tensor] = []
         self.enc_values: List[Tensor] = []
         self.enc_attend: Optional[Tensor] = None
@@ -378,6 +382,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         if not layout.dense or cache.masked is not None:
             if cache.masked is None:
                 cache.masked = layout.block_pad.new_zeros(cache.batch, cache.capacity)
+                cache.holes = [0] * cache.batch
             cache.masked[:, cache.length: cache.length + length] = layout.block_pad
 
     def _self_mask(self, cache: FastCache, layout: BlockLayout, length: int,
@@ -515,21 +520,38 @@ class FastBlockDecoder(LeanBlockDecoder):
                               device=cache.keys[0].device)
         return ~cache.masked[:, : cache.length]
 
+    @staticmethod
+    def _holes(cache: FastCache, end: int) -> List[int]:
+        """Per row the masked entries before ``end``, as counted (or kept) on the host."""
+        if cache.holes is None:
+            cache.holes = cache.masked[:, :end].numpy().sum(1).tolist()
+        return cache.holes
+
     def rollback(self, cache: FastCache, block_len: int, keep: Tensor,
                  keep_range: Optional[Tuple[int, int]] = None):
         """Of the last ``block_len`` entries keep the first ``keep[b]`` per row: the cache's
         end moves back to the longest kept row; shorter rows' rejected entries become holes."""
         first = cache.length - block_len
         fewest, kept_cols = keep_bounds(keep, keep_range)
+        end = first + kept_cols
         if fewest < kept_cols:
-            cols = torch.arange(block_len, device=keep.device)
-            drop = cols.unsqueeze(0) >= keep.unsqueeze(1)
             if cache.masked is None:
-                cache.masked = drop.new_zeros(cache.batch, cache.capacity)
-            cache.masked[:, first: first + block_len] |= drop
-        cache.length = first + kept_cols
-        if cache.masked is not None and not bool(cache.masked[:, : cache.length].any()):
-            cache.masked = None
+                cache.masked = torch.zeros(cache.batch, cache.capacity, dtype=torch.bool)
+                cache.holes = [0] * cache.batch
+            holes = self._holes(cache, first)
+            # the block's entries up to the longest kept row: a row's first keep[b] are kept
+            # (never padding: a ragged block pads a row after its real positions), the rest
+            # are holes
+            masked = cache.masked.numpy()
+            for r, kept in enumerate(keep.tolist()):
+                if kept < kept_cols:
+                    masked[r, first + kept: end] = True
+                    holes[r] += kept_cols - kept
+        elif cache.masked is not None:  # every row keeps the block's entries up to the end
+            self._holes(cache, first)
+        cache.length = end
+        if cache.masked is not None and not any(cache.holes):
+            cache.masked = cache.holes = None
 
     def drop_columns(self, cache: FastCache, first: int, count: int):
         """Remove entries ``first .. first + count - 1`` of every row (a block-causal drafter's
@@ -540,19 +562,21 @@ class FastBlockDecoder(LeanBlockDecoder):
                 t[:, :, first: end - count] = t[:, :, first + count: end].clone()
         if cache.masked is not None:
             cache.masked[:, first: end - count] = cache.masked[:, first + count: end].clone()
+            cache.holes = None  # counted again when next needed
         cache.length = end - count
-        if cache.masked is not None and not bool(cache.masked[:, : cache.length].any()):
-            cache.masked = None
+        if cache.masked is not None and not any(self._holes(cache, cache.length)):
+            cache.masked = cache.holes = None
 
     def compact(self, cache: FastCache, min_holes: float = 0.5):
         if cache.masked is None:
             return
         total = cache.length
+        # every row's entries but its holes: the longest row's count is what compaction keeps
+        if min(self._holes(cache, total), default=0) < max(1, min_holes * total):
+            return
         valid = ~cache.masked[:, :total]
         counts = valid.sum(1)
         longest = int(counts.max()) if counts.numel() else 0
-        if total - longest < max(1, min_holes * total):
-            return
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :longest]
         for buffers in (cache.keys, cache.values):
             for t in buffers:
@@ -561,6 +585,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         masked = cache.masked[:, :total].gather(1, order)
         cache.length = longest
         cache.masked[:, :longest] = masked
+        cache.holes = None  # counted again when next needed
         if not bool(masked.any()):
             cache.masked = None
 
@@ -596,6 +621,8 @@ class FastBlockDecoder(LeanBlockDecoder):
             cache.enc_values = [pick(v) for v in cache.enc_values]
         if cache.masked is not None:
             cache.masked = pick(cache.masked)
+            if cache.holes is not None:
+                cache.holes = [cache.holes[i] for i in new_order.tolist()]
         if cache.enc_attend is not None:
             cache.enc_attend = pick(cache.enc_attend)
         cache.batch = new_order.numel()

@@ -87,25 +87,24 @@ class AutoDrafter(LookupDrafter):
         return state
 
     # ------------------------------------------------------------------ choosing
-    def propose(self, state, rows, tokens, n_out, max_len):
+    def propose_lists(self, state, rows, tokens, n_out, room):
         if self.model is None:  # the cheap drafters alone: the copy drafter's way
-            return super().propose(state, rows, tokens, n_out, max_len)
+            return super().propose_lists(state, rows, tokens, n_out, room)
         schedule = state.schedule
         began = schedule.start_clock()
-        row_ids, lengths = rows.tolist(), n_out.tolist()
-        active = len(row_ids)
+        active = len(rows)
         ceiling = self._ceiling(state, active)
-        limits = [min(room, ceiling) for room in max_len.tolist()]
+        limits = [min(limit, ceiling) for limit in room]
         # heads proposed after the last verification (their price is paid); gad's run is not
-        plans = schedule.plan(row_ids, limits, may_rest=False)
+        plans = schedule.plan(rows, limits, may_rest=False)
         model_rows = self._model_rows(plans, active)
-        self._read_drafting_rows(state, row_ids, tokens, lengths, [len(p) for p in plans])
+        self._read_drafting_rows(state, rows, tokens, n_out, [len(p) for p in plans])
         model_drafts, model_q = None, None
         if model_rows:
             model_drafts, model_q = self._model_drafts(state, rows, tokens, n_out, plans,
                                                         model_rows)
         drafts, chosen = [], []
-        for i, (row, n, options) in enumerate(zip(row_ids, lengths, plans)):
+        for i, (row, n, options) in enumerate(zip(rows, n_out, plans)):
             draft, kind = [], None
             for _, option, length in options:
                 if option == self.model_kind:
@@ -117,12 +116,13 @@ class AutoDrafter(LookupDrafter):
                     break
             drafts.append(draft)
             chosen.append(kind)
-        schedule.chose(row_ids, chosen, drafts)
+        schedule.chose(rows, chosen, drafts)
         state.draft_probs = None
         if model_q is not None:
             state.draft_probs = self._mixed_q(drafts, chosen, model_q, model_q.device)
         schedule.tick(began, active, drafts, model=bool(model_rows) and not self.heads)
-        return self._drafts_out(state, row_ids, drafts, tokens.device)
+        state.drafted_rows = rows
+        return drafts
 
     def _model_rows(self, plans, active: int) -> set:
         """Rows that take the drafter model's draft: where it is their best option and, for
@@ -145,15 +145,16 @@ class AutoDrafter(LookupDrafter):
     def _model_drafts(self, state: AutoState, rows, tokens, n_out, plans, model_rows):
         """The drafter model's drafts of ``model_rows`` (by position among the active rows),
         each cut at its paying length, and their q under speculative sampling."""
-        caps = [0] * rows.numel()
+        caps = [0] * len(rows)
         for i in model_rows:
             caps[i] = next(length for _, kind, length in plans[i] if kind == self.model_kind)
         # the drafter model drafts on the model's device, from copies of the host's tables
         device = state.model_device
         caps = torch.tensor(caps, dtype=torch.long).to(device, non_blocking=True)
-        draft, lengths = self.model.propose(state.model, rows.clone().to(device, non_blocking=True),
-                                            tokens.clone().to(device, non_blocking=True),
-                                            n_out.clone().to(device, non_blocking=True), caps)
+        draft, lengths = self.model.propose(
+            state.model, torch.tensor(rows).to(device, non_blocking=True),
+            tokens.clone().to(device, non_blocking=True),
+            torch.tensor(n_out).to(device, non_blocking=True), caps)
         draft, lengths = draft.tolist(), lengths.tolist()  # the drafter model's read
         drafts = {i: draft[i][: lengths[i]] for i in model_rows}
         return drafts, state.model.draft_probs if self.sampler is not None else None
@@ -172,8 +173,14 @@ class AutoDrafter(LookupDrafter):
         return q
 
     # ------------------------------------------------------------------ after verification
+    def observe_kept(self, state, rows, kept):
+        if self.model is None:
+            self._learn(state, kept)
+        else:  # gad's own caps learn too, on its device
+            self.observe(state, torch.tensor(rows), None, torch.tensor(kept))
+
     def observe(self, state, rows, features, last, tokens=None):
-        super().observe(state, rows, features, last, tokens)
+        self._learn(state, last.tolist())
         if self.model is None:
             return
         if self.heads:

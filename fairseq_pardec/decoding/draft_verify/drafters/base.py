@@ -248,9 +248,6 @@ class DraftState:
         # with --sampling, set by ``propose``: (B, K, V), the distribution each draft token
         # was drawn from (None: deterministic drafts, one-hot q)
         self.draft_probs = None
-        # set by ``propose`` of a drafter on the host: the drafts as lists, from which the
-        # engine builds the block (None: it reads the padded drafts)
-        self.host_drafts = None
 
 
 class Drafter:
@@ -297,6 +294,21 @@ class Drafter:
         the batch's DraftSchedule (schedule.py), which a drafter on the host has plan its
         rows' drafts (None: a drafter that plans makes its own)."""
         return DraftState()
+
+    def propose_lists(self, state: DraftState, rows: List[int], tokens: Tensor,
+                      n_out: List[int], room: List[int]) -> List[List[int]]:
+        """``propose`` of a drafter on the host, on the host's lists: per active row (``rows``,
+        its accepted tokens ``n_out``, its ``room`` for draft tokens) its draft as a list. The
+        engine asks a drafter on the host this way; the model-free drafters draft in lists,
+        and this default goes through ``propose``."""
+        draft, lengths = self.propose(state, torch.tensor(rows), tokens, torch.tensor(n_out),
+                                      torch.tensor(room, dtype=torch.long))
+        return [row[:n] for row, n in zip(draft.tolist(), lengths.tolist())]
+
+    def observe_kept(self, state: DraftState, rows: List[int], kept: List[int]):
+        """``observe`` of a drafter on the host that reads no features: per active row the
+        draft tokens it kept (lists). This default goes through ``observe``."""
+        self.observe(state, torch.tensor(rows), None, torch.tensor(kept))
 
     def propose(self, state: DraftState, rows: Tensor, tokens: Tensor, n_out: Tensor,
                 max_len: Tensor):

@@ -96,9 +96,8 @@ class DraftSchedule:
             return False
         return True
 
-    def room(self, room: Tensor, iteration: int) -> Tensor:
-        """Each active row's room for draft tokens (a CPU tensor) less what the back-off
-        withholds."""
+    def room(self, room: List[int], iteration: int) -> List[int]:
+        """Each active row's room for draft tokens less what the back-off withholds."""
         return room if self.backoff is None else self.backoff.room(room, iteration)
 
     def _not_asked(self, active_rows: int):

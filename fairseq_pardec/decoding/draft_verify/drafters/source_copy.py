@@ -248,20 +248,28 @@ class CopyDrafter(Drafter):
             self._read_new_tokens(state, [row_ids[i] for i in drafting], tokens[drafting],
                                   [lengths[i] for i in drafting])
 
-    def propose(self, state, rows, tokens, n_out, max_len):
+    def propose_lists(self, state, rows, tokens, n_out, room):
         schedule = state.schedule
         began = schedule.start_clock()
-        row_ids, lengths = rows.tolist(), n_out.tolist()
-        ceiling = self._ceiling(state, len(row_ids))
-        limits = [min(room, ceiling) for room in max_len.tolist()]
-        plans = schedule.plan(row_ids, limits, may_rest=self.rests)
-        if plans is None:
-            return self._nothing(state, rows, began)
-        self._read_drafting_rows(state, row_ids, tokens, lengths, [len(p) for p in plans])
-        drafts, kinds = self._cheap_drafts(state, row_ids, lengths, plans)
-        schedule.chose(row_ids, kinds, drafts)
-        schedule.tick(began, len(row_ids), drafts)
-        return self._drafts_out(state, row_ids, drafts, tokens.device)
+        ceiling = self._ceiling(state, len(rows))
+        limits = [min(limit, ceiling) for limit in room]
+        plans = schedule.plan(rows, limits, may_rest=self.rests)
+        if plans is None:  # no row drafts: nothing for ``observe`` either
+            schedule.count_none(len(rows))
+            schedule.tick(began, len(rows), [])
+            state.drafted_rows = None
+            return [[]] * len(rows)
+        self._read_drafting_rows(state, rows, tokens, n_out, [len(p) for p in plans])
+        drafts, kinds = self._cheap_drafts(state, rows, n_out, plans)
+        schedule.chose(rows, kinds, drafts)
+        schedule.tick(began, len(rows), drafts)
+        state.drafted_rows = rows  # observe's rows are these (tests pass none)
+        return drafts
+
+    def propose(self, state, rows, tokens, n_out, max_len):
+        drafts = self.propose_lists(state, rows.tolist(), tokens, n_out.tolist(),
+                                    max_len.tolist())
+        return pad_drafts(drafts, self.pad, tokens.device)
 
     def _cheap_drafts(self, state: CopyState, row_ids: List[int], lengths: List[int],
                       plans: List[List[tuple]]):
@@ -290,25 +298,14 @@ class CopyDrafter(Drafter):
         state.last_match[row] = (at, n)
         return state.sources[row][at + 1: at + 1 + length]
 
-    def _nothing(self, state: CopyState, rows, began):
-        """No row drafts in this iteration: empty drafts, and nothing for ``observe``."""
-        active = rows.numel()
-        state.schedule.count_none(active)
-        state.schedule.tick(began, active, [])
+    def _learn(self, state: CopyState, kept: List[int]):
+        """What each row of the last propose kept of its draft, for the schedule."""
+        if self.adaptive and state.drafted_rows is not None:
+            state.schedule.verified(state.drafted_rows, kept)
         state.drafted_rows = None
-        state.host_drafts = [[]] * active
-        lengths = torch.zeros(active, dtype=torch.long, device=rows.device)
-        return lengths.new_zeros(active, 0), lengths
 
-    def _drafts_out(self, state: CopyState, row_ids: List[int], drafts: List[List[int]],
-                    device):
-        """The padded drafts and their lengths; the rows are kept for ``observe``."""
-        draft, drafted = pad_drafts(drafts, self.pad, device)
-        state.drafted_rows = row_ids
-        state.host_drafts = drafts  # the engine builds a host-decided block from the lists
-        return draft, drafted
+    def observe_kept(self, state, rows, kept):
+        self._learn(state, kept)
 
     def observe(self, state, rows, features, last, tokens=None):
-        if self.adaptive and state.drafted_rows is not None:
-            state.schedule.verified(state.drafted_rows, last.tolist())
-        state.drafted_rows = None
+        self._learn(state, last.tolist())
