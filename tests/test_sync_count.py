@@ -30,9 +30,9 @@ LIMITS = dict(max_len_a=1.2, max_len_b=10)
 # and when a rollback may have cleared its masked entries; the fast step runs on the CPU only)
 BOUNDS = {
     "lean_greedy": (2, 1.05, 4),
-    "iad": (3, 1.1, 6),
-    "lookup": (3, 1.1, 6),
-    "auto": (3, 1.2, 6),
+    "iad": (2, 1.1, 5),
+    "lookup": (2, 1.1, 5),
+    "auto": (2, 1.15, 5),
 }
 # with every decision replayed (each replay one read): the most in one iteration
 REPLAYED_BOUND = 22
