@@ -108,7 +108,7 @@ class CopyDrafter(Drafter):
     CPU_MAX_CEILING = 16
     # On the CPU (adaptive caps) a draft must pay for its verified positions and its drafting:
     # each row drafts the length that gains the most at the CPU's prices, or nothing
-    # (AdaptiveCaps.priced_caps; pricing.CPU_PRICES). At batch 1 an iteration's fixed cost
+    # (DraftSchedule.plan; pricing.CPU_PRICES). At batch 1 an iteration's fixed cost
     # dominates and long drafts pay; from 8 rows on the products are bound by arithmetic and
     # no position pays, so a full batch decodes as plain steps and the rows left at its end
     # draft. None: the caps follow acceptance only.
