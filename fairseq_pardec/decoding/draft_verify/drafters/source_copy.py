@@ -137,7 +137,8 @@ class CopyDrafter(Drafter):
         self.adaptive = adaptive
         # with prices (pricing.py; adaptive caps only), each row drafts only what pays for its
         # verification and its drafting, on any device; a fresh row starts from the drafter's
-        # acceptance so far. Without, the CPU's caps stop at the threshold of CPU_PRICES.
+        # acceptance so far. Without, CPU_PRICES decide on the CPU with no --block-size, and
+        # elsewhere each row's recent acceptance alone (``_prices``).
         self.prices = prices if adaptive else None
         # a fresh row's estimate starts from the drafter's acceptance over the rows before it
         # (on the CPU): on a model whose drafts are rejected (translation) a new sentence does
