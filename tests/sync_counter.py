@@ -56,6 +56,9 @@ _TO_HOST = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy",
 # functions making new tensors: on the device only where given one; those copying their data
 # from the host do it synchronously (non_blocking=False)
 _COPIED_FACTORIES = {torch.tensor, torch.as_tensor}
+# functions whose result is on the host whatever their input's device: a shape's sizes
+# (fairseq's positional embeddings read them, which on CUDA waits for nothing)
+_HOST_RESULTS = {torch._shape_as_tensor}
 _FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.full, torch.empty,
               torch.arange, torch.rand, torch.randn, torch.randint, torch.eye, torch.linspace}
 
@@ -192,6 +195,8 @@ class _FunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _HOST_RESULTS:
+            return func(*args, **kwargs)
         counter = self.counter
         inputs = _tensors((args, kwargs))
         from_device = any(counter.on_device(t) for t in inputs)

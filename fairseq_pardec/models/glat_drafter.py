@@ -27,6 +27,7 @@ Options that make the drafter cheap to run next to a trained verifier (ours, not
 """
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -205,21 +206,25 @@ class GlatDrafterModel(TransformerModel):
                             self_attn_padding_mask=self_pad if bool(self_pad.any()) else None)
         return final_features(dec, x, time_major=True)
 
-    def draft_inputs(self, prefixes, n_prefix, k):
+    def draft_inputs(self, prefixes, n_prefix, k, longest: Optional[int] = None):
         """The decoder input per row and the positions of its k mask slots: ``[BOS, prefix,
         MASK x k]`` (right-padded; block-causal: ``[MASK x k, BOS, prefix]``).
 
         Args:
             prefixes: (B, T) tokens starting with BOS (right part may hold anything).
             n_prefix: (B,) accepted tokens after BOS.
+            longest: ``max(n_prefix)`` where the caller knows it on the host (else it is
+                read from ``n_prefix``: on CUDA a wait for the device).
         Returns:
             tokens (B, W) and slots (B, k) positions of the mask slots.
         """
+        if longest is None:
+            longest = int(n_prefix.max()) if n_prefix.numel() else 0
         if self.block_causal:
-            return self._slot_first_inputs(prefixes, n_prefix, k)
+            return self._slot_first_inputs(prefixes, n_prefix, k, longest)
         bsz = prefixes.size(0)
         device = prefixes.device
-        width = int(n_prefix.max()) + 1 + k
+        width = longest + 1 + k
         cols = torch.arange(width, device=device).unsqueeze(0)
         ends = (n_prefix + 1).unsqueeze(1)
         src = prefixes[:, : min(width, prefixes.size(1))]
@@ -231,9 +236,9 @@ class GlatDrafterModel(TransformerModel):
         slots = ends + torch.arange(k, device=device).unsqueeze(0)
         return tokens, slots
 
-    def _slot_first_inputs(self, prefixes, n_prefix, k):
+    def _slot_first_inputs(self, prefixes, n_prefix, k, longest: int):
         bsz, device = prefixes.size(0), prefixes.device
-        width = int(n_prefix.max()) + 1
+        width = longest + 1
         src = prefixes[:, :width]
         cols = torch.arange(width, device=device).unsqueeze(0)
         prefix = src.masked_fill(cols > n_prefix.unsqueeze(1), self.decoder.padding_idx)

@@ -261,6 +261,7 @@ class DraftVerifyGenerator(StatsGenerator):
             if tokens is not None:
                 tokens = to_device(tokens, device)
             room = torch.tensor(room, dtype=torch.long).to(device, non_blocking=True)
+            state.longest = batch.longest
             draft, lengths = drafter.propose(state, batch.rows, tokens, batch.n_out, room)
             host = self.read(torch.cat([lengths.unsqueeze(1), draft], 1)).tolist()
             return [row[1: 1 + row[0]] for row in host]

@@ -151,6 +151,7 @@ class AutoDrafter(LookupDrafter):
         # the drafter model drafts on the model's device, from copies of the host's tables
         device = state.model_device
         caps = torch.tensor(caps, dtype=torch.long).to(device, non_blocking=True)
+        state.model.longest = max(n_out, default=0)
         draft, lengths = self.model.propose(
             state.model, torch.tensor(rows).to(device, non_blocking=True),
             tokens.clone().to(device, non_blocking=True),

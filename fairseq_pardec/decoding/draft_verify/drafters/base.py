@@ -248,6 +248,10 @@ class DraftState:
         # with --sampling, set by ``propose``: (B, K, V), the distribution each draft token
         # was drawn from (None: deterministic drafts, one-hot q)
         self.draft_probs = None
+        # the most tokens an active row has accepted, as the host knows it: set by the engine
+        # before each ``propose`` of a drafter on the device, whose drafts' width then needs
+        # no read of the device (None: not known)
+        self.longest = None
 
 
 class Drafter:

@@ -67,7 +67,7 @@ class NARDrafter(Drafter):
         if state.rows is None or not torch.equal(rows, state.rows):
             state.active_encoder_out = self.model.encoder.reorder_encoder_out(state.encoder_out, rows)
             state.rows = rows
-        inputs, slots = self.model.draft_inputs(tokens, n_out, self.k)
+        inputs, slots = self.model.draft_inputs(tokens, n_out, self.k, state.longest)
         logits = self._slot_logits(self.model.slot_features(inputs, slots, state.active_encoder_out))
         return self._finish(state, logits, max_len)
 
