@@ -94,8 +94,8 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     fairseq's search with the decided tokens as a forced prefix runs, per step: the decoder over
     one new token (its incremental path; the lean step's layers compute it bit for bit,
     tests/test_lean_decoder.py, and the one-row steps as the lean step), the decoder's own
-    output layer, the division by the temperature and the model's own normalisation, fairseq's edits of the log-probabilities; at a forced
-    step the hypothesis score becomes the previous one plus the forced token's log-probability
+    output layer, the division by the temperature and the model's own normalisation, fairseq's
+    edits of the log-probabilities; at a forced step the hypothesis score becomes the previous one plus the forced token's log-probability
     (float32), and at the step after the prefix the choice is beam-1's first of
     ``topk(score + log-probs, 2)``. The prefix's exact score is computed only where its rounding
     could tie the best two (below): a decision then costs the lean steps alone, 0.10 s for two

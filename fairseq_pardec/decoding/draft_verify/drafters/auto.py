@@ -103,19 +103,8 @@ class AutoDrafter(LookupDrafter):
         if model_rows:
             model_drafts, model_q = self._model_drafts(state, rows, tokens, n_out, plans,
                                                         model_rows)
-        drafts, chosen = [], []
-        for i, (row, n, options) in enumerate(zip(rows, n_out, plans)):
-            draft, kind = [], None
-            for _, option, length in options:
-                if option == self.model_kind:
-                    draft = model_drafts[i] if i in model_rows else []
-                else:
-                    draft = self.cheap_draft(state, option, row, n, length)
-                if draft:
-                    kind = option
-                    break
-            drafts.append(draft)
-            chosen.append(kind)
+        drafts, chosen = self._first_drafts(state, rows, n_out, plans,
+                                            {self.model_kind: model_drafts or {}})
         schedule.chose(rows, chosen, drafts)
         state.draft_probs = None
         if model_q is not None:

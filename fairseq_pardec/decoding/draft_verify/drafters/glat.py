@@ -65,10 +65,12 @@ class NARDrafter(Drafter):
 
     def propose(self, state, rows, tokens, n_out, max_len):
         if state.rows is None or not torch.equal(rows, state.rows):
-            state.active_encoder_out = self.model.encoder.reorder_encoder_out(state.encoder_out, rows)
+            state.active_encoder_out = self.model.encoder.reorder_encoder_out(
+                state.encoder_out, rows)
             state.rows = rows
         inputs, slots = self.model.draft_inputs(tokens, n_out, self.k, state.longest)
-        logits = self._slot_logits(self.model.slot_features(inputs, slots, state.active_encoder_out))
+        logits = self._slot_logits(
+            self.model.slot_features(inputs, slots, state.active_encoder_out))
         return self._finish(state, logits, max_len)
 
     def _finish(self, state: NARState, logits, max_len):
@@ -159,7 +161,8 @@ class CachedNARDrafter(NARDrafter):
                            fresh.masked_fill(fresh_pad, self.pad)], 1)
         block_pad = torch.cat([fresh_pad.new_zeros(b, k), fresh_pad], 1)
         slot_cols = torch.arange(k, device=device).unsqueeze(0)
-        steps = torch.cat([n_out.unsqueeze(1) + 1 + slot_cols, state.n_cached.unsqueeze(1) + cols], 1)
+        steps = torch.cat([n_out.unsqueeze(1) + 1 + slot_cols,
+                           state.n_cached.unsqueeze(1) + cols], 1)
         # slots past the drafter's last position (drafts near max length) share that position
         steps = steps.clamp(max=self.max_step)
         layout = BlockLayout(block_pad)

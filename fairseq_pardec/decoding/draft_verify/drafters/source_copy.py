@@ -261,7 +261,7 @@ class CopyDrafter(Drafter):
             state.drafted_rows = None
             return [[]] * len(rows)
         self._read_drafting_rows(state, rows, tokens, n_out, [len(p) for p in plans])
-        drafts, kinds = self._cheap_drafts(state, rows, n_out, plans)
+        drafts, kinds = self._first_drafts(state, rows, n_out, plans)
         schedule.chose(rows, kinds, drafts)
         schedule.tick(began, len(rows), drafts)
         state.drafted_rows = rows  # observe's rows are these (tests pass none)
@@ -272,15 +272,20 @@ class CopyDrafter(Drafter):
                                     max_len.tolist())
         return pad_drafts(drafts, self.pad, tokens.device)
 
-    def _cheap_drafts(self, state: CopyState, row_ids: List[int], lengths: List[int],
-                      plans: List[List[tuple]]):
+    def _first_drafts(self, state: CopyState, row_ids: List[int], lengths: List[int],
+                      plans: List[List[tuple]], made: Optional[dict] = None):
         """Per row the draft of the first of its planned options that drafts anything, and
-        that option's kind (None: no draft)."""
+        that option's kind (None: no draft). ``made``: kind -> {row's position: draft} of the
+        drafts made elsewhere (a drafter model's); the others are the cheap drafters'."""
         drafts, kinds = [], []
-        for row, n, options in zip(row_ids, lengths, plans):
+        for i, (row, n, options) in enumerate(zip(row_ids, lengths, plans)):
             draft, chosen = [], None
             for _, kind, length in options:
-                draft = self.cheap_draft(state, kind, row, n, length)
+                elsewhere = made.get(kind) if made else None
+                if elsewhere is not None:
+                    draft = elsewhere.get(i, [])
+                else:
+                    draft = self.cheap_draft(state, kind, row, n, length)
                 if draft:
                     chosen = kind
                     break
