@@ -179,6 +179,12 @@ def test_benchmark_harness(cli_data, stock_checkpoint, tmp_path):
         # generator (the fast step, exact acceptance), left blank for fairseq's own
         assert rows[("iad", b)]["close_calls"] >= 0
         assert rows[("greedy", b)]["close_calls"] is None
+        # the guard's replays are a part of the time of their own, not the engine's
+        if rows[("iad", b)]["close_calls"] == 0:
+            assert rows[("iad", b)]["guard_share"] is None
+        parts = ("verifier_share", "drafter_share", "encoder_share", "guard_share",
+                 "engine_share")
+        assert abs(sum(rows[("iad", b)][p] or 0.0 for p in parts) - 1.0) < 1e-9
     assert (out / "quality_vs_speed.png").stat().st_size > 0
     assert "| iad | 4 | 3.0 |" in (out / "results.md").read_text()
     assert "| iad | 4 | 3.0 |" in proc.stdout

@@ -17,6 +17,7 @@ COLUMNS = [
     ("drafter_share", "drafter", "%.0f%%"),
     ("verifier_share", "verifier", "%.0f%%"),
     ("encoder_share", "encoder", "%.0f%%"),
+    ("guard_share", "guard", "%.0f%%"),
     ("engine_share", "engine", "%.0f%%"),
     ("iterations_per_sentence", "iters/sent", "%.1f"),
     ("identical_to_greedy", "= greedy", "%.1f%%"),
@@ -34,7 +35,8 @@ def markdown(meta, rows):
         "batch size decoded; *iter cost*: wall time of one iteration (decoder call) in greedy "
         "steps of the same batch (at batch 1 the tokens/iter needed to break even); *drafter*: "
         "share of the decoding time spent drafting, *verifier*: in the verifier's decoder calls, "
-        "*encoder*: in its encoder, *engine*: the rest, what runs between the model's calls "
+        "*encoder*: in its encoder, *guard*: in the margin guard's replays of fairseq's "
+        "arithmetic at close calls, *engine*: the rest, what runs between the model's calls "
         "(shares on the CPU only); *close calls*: choices the fast step's margin guard "
         "left to fairseq's own search, in one run; *x best single*: speed over the fastest of "
         "lean_greedy, iad and lookup in the run; *drafts* (auto): each drafter's share of the "
@@ -55,7 +57,7 @@ def markdown(meta, rows):
             if value is None:
                 cells.append("")
             elif key in ("identical_to_greedy", "identical_to_source", "drafter_share",
-                         "verifier_share", "encoder_share", "engine_share"):
+                         "verifier_share", "encoder_share", "guard_share", "engine_share"):
                 cells.append(fmt % (100 * value))
             else:
                 cells.append(fmt % value)

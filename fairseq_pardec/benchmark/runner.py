@@ -354,6 +354,8 @@ def run(args):
                                    if st.get("verifier_time") and st["wall_time"] > 0 else None),
                 "encoder_share": (st["encoder_time"] / st["wall_time"]
                                   if st.get("encoder_time") and st["wall_time"] > 0 else None),
+                "guard_share": (st["guard_time"] / st["wall_time"]
+                                if st.get("guard_time") and st["wall_time"] > 0 else None),
                 "target_tokens": st["target_tokens"],
                 # decisions the margin guard handed to fairseq's own search (the last run's),
                 # for generators that have the guard
@@ -364,7 +366,7 @@ def run(args):
             }
             if row["verifier_share"] is not None:  # what runs between the model's calls
                 row["engine_share"] = 1.0 - sum(row[part] or 0.0 for part in (
-                    "verifier_share", "drafter_share", "encoder_share"))
+                    "verifier_share", "drafter_share", "encoder_share", "guard_share"))
             row.update(quality(task, outputs[label], references, args.remove_bpe, sources))
             if greedy_label is not None:
                 same, first = divergence(outputs[label], outputs[greedy_label])

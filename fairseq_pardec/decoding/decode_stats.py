@@ -21,7 +21,8 @@ class DecodeStats:
     ``drafter_time`` is the part of it spent in a draft-and-verify generator's drafter (its
     ``propose`` and ``observe``), ``verifier_time`` the part in the verifier's decoder call
     (block step and log-softmax), ``encoder_time`` the part in the verifier's encoder (once per
-    batch); the rest is the engine's bookkeeping. Measured on the CPU
+    batch), ``guard_time`` the part in the margin guard's replays of fairseq's arithmetic at
+    close calls (draft_verify/margin_guard.py); the rest is the engine's bookkeeping. Measured on the CPU
     only (on a GPU kernels run asynchronously and timing them would need a synchronisation per
     iteration).
     """
@@ -34,6 +35,7 @@ class DecodeStats:
     drafter_time: float = 0.0
     verifier_time: float = 0.0
     encoder_time: float = 0.0
+    guard_time: float = 0.0
     # positions where the fast step could not certify fairseq's choice, decided by fairseq's
     # arithmetic instead (draft_verify/engine.py, draft_verify/margin_guard.py)
     close_calls: int = 0
@@ -60,6 +62,7 @@ class DecodeStats:
         self.drafter_time = 0.0
         self.verifier_time = 0.0
         self.encoder_time = 0.0
+        self.guard_time = 0.0
         self.drafter_iterations.clear()
         self.drafter_accepted.clear()
 
@@ -116,7 +119,7 @@ def timed(stats: DecodeStats, device: torch.device):
 
 class PartTimer:
     """Adds the wall time of ``with`` blocks to one of ``stats``' parts (``drafter_time``,
-    ``verifier_time``, ``encoder_time``) on the CPU. On a GPU it times nothing: kernels run asynchronously, and
+    ``verifier_time``, ``encoder_time``, ``guard_time``) on the CPU. On a GPU it times nothing: kernels run asynchronously, and
     timing them would need a synchronisation per block."""
 
     def __init__(self, stats: DecodeStats, part: str, device: torch.device):

@@ -91,10 +91,12 @@ class Batch:
         self._replays = {}
         # every active row has gained >= 1 token per iteration: n_out >= iteration
         self.iteration = 0
-        # the drafter's and the verifier's shares of the time (benchmark)
+        # the drafter's, the verifier's, the encoder's and the guard's shares of the time
+        # (benchmark)
         self.drafter_timer = PartTimer(generator.stats, "drafter_time", self.device)
         self.verifier_timer = PartTimer(generator.stats, "verifier_time", self.device)
         self.encoder_timer = PartTimer(generator.stats, "encoder_time", self.device)
+        self.guard_timer = PartTimer(generator.stats, "guard_time", self.device)
 
     def keep(self, alive: List[int]):
         """Keep the active rows ``alive`` (indices into the active rows), in that order."""

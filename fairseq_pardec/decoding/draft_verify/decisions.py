@@ -191,9 +191,10 @@ def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], 
                 before = torch.cat([batch.tokens[r, 1: n_out + 1],
                                     torch.tensor(draft[:j], dtype=torch.long)])
                 bound = abs(float(score)) + (n_out + j + 1) * margin
-                token = fairseq_decision(
-                    generator, sample["net_input"]["src_tokens"][batch.rows_host[r]],
-                    before, bos_token, score_bound=bound, resume=batch.row_replay(r))
+                with batch.guard_timer:
+                    token = fairseq_decision(
+                        generator, sample["net_input"]["src_tokens"][batch.rows_host[r]],
+                        before, bos_token, score_bound=bound, resume=batch.row_replay(r))
                 lp = float(lprobs[at, token])
                 generator.stats.close_calls += 1
         kept = False
