@@ -339,8 +339,8 @@ def test_replayed_decision_is_sequence_generators(model_kind, monkeypatch):
 def test_one_row_steps_are_the_lean_steps(overrides):
     """The replay's one-row steps compute the lean step's features bit for bit, one token a
     step at batch 1 (the same operations on the same shapes: equal floats are the contract),
-    after the last token or after every one; a hooked module sends the replay to the lean
-    step."""
+    after the last token or after every one, also when asked afterwards of a cache fed only
+    (``features_of_fed``); a hooked module sends the replay to the lean step."""
     from fairseq_pardec.decoding.step.block_layout import BlockLayout
     from fairseq_pardec.decoding.step.one_row_steps import OneRowSteps, one_row_supported
 
@@ -360,9 +360,15 @@ def test_one_row_steps_are_the_lean_steps(overrides):
                                         encoder_out, cache) for t, token in enumerate(tokens)]
         every = OneRowSteps(decoder, encoder_out).run(tokens, features_of_all=True)
         last = OneRowSteps(decoder, encoder_out).run(tokens)
-    assert len(every) == len(tokens) and len(last) == 1
+        # the features after every token, afterwards, from a cache fed in two runs
+        resumed = OneRowSteps(decoder, encoder_out)
+        resumed.run(tokens[:6])
+        resumed.run(tokens)
+        of_fed = resumed.features_of_fed()
+    assert len(every) == len(tokens) and len(last) == 1 and len(of_fed) == len(tokens)
     assert all(torch.equal(a, b) for a, b in zip(every, expected))
     assert torch.equal(last[0], expected[-1])
+    assert all(torch.equal(a, b) for a, b in zip(of_fed, expected))
     handle = decoder.layers[0].fc1.register_forward_hook(lambda *args: None)
     try:
         assert not one_row_supported(decoder)

@@ -132,8 +132,9 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
         return lprobs
 
     # with a bound on the prefix's score, the prefix steps only fill the cache
-    *prefix, features = _fairseq_features(decoder, encoder_out, tokens,
-                                           features_of_all=score_bound is None, resume=resume)
+    computed, steps_run = _fairseq_features(decoder, encoder_out, tokens,
+                                            features_of_all=score_bound is None, resume=resume)
+    *prefix, features = computed
     lprobs = log_probs(features)
     if steps < generator.min_len:
         lprobs[:, generator.eos] = -math.inf
@@ -151,8 +152,12 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     top = lprobs.topk(2, dim=-1).values[0].tolist()
     if top[0] - top[1] > 2 * _ADD_ROUNDING * (score_bound + abs(top[0]) + abs(top[1])):
         return int(lprobs.argmax(dim=-1)[0])
-    if not prefix:  # the prefix's features are needed after all: the replay with them
-        return _replayed_decision(generator, sample, decided, bos_token)
+    if not prefix:  # the prefix's features are needed after all
+        if steps_run is None:  # the lean step's replay, again with them
+            return _replayed_decision(generator, sample, decided, bos_token)
+        # the one-row steps run their last layer again on what it read; the layers below
+        # are not run again
+        prefix = steps_run.features_of_fed()[:-1]
     score = None
     for t, features in enumerate(prefix):
         lp = log_probs(features)[:, tokens[t + 1]]
@@ -165,7 +170,8 @@ def _fairseq_features(decoder, encoder_out, tokens, features_of_all: bool,
     """The decoder's features after the last of ``tokens`` (BOS first) as fairseq's incremental
     steps compute them, at batch 1, one token a step; after every token with
     ``features_of_all``. :class:`OneRowSteps` where it covers the decoder (from where the row's
-    last replay stopped, with ``resume``), else the lean step."""
+    last replay stopped, with ``resume``), else the lean step. Returns the features and the
+    :class:`OneRowSteps` that computed them (None: the lean step did)."""
     from fairseq_pardec.decoding.step.block_layout import BlockLayout
     from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
     from fairseq_pardec.decoding.step.one_row_steps import OneRowSteps, one_row_supported
@@ -176,7 +182,7 @@ def _fairseq_features(decoder, encoder_out, tokens, features_of_all: bool,
             steps = OneRowSteps(decoder, encoder_out)
             if resume is not None:
                 resume.steps = steps
-        return steps.run(tokens, features_of_all)
+        return steps.run(tokens, features_of_all), steps
     device = decoder.embed_tokens.weight.device
     step = LeanBlockDecoder(decoder)
     cache = step.new_state()
@@ -189,7 +195,7 @@ def _fairseq_features(decoder, encoder_out, tokens, features_of_all: bool,
                                   cache_only=not (last or features_of_all))
         if out is not None:
             features.append(out)
-    return features
+    return features, None
 
 
 def _choice(lprobs: Tensor, score: np.float32) -> int:

@@ -112,6 +112,9 @@ class OneRowSteps:
                            .transpose(0, 1))
         self.keys: List[Optional[Tensor]] = [None] * len(self.layers)
         self.values: List[Optional[Tensor]] = [None] * len(self.layers)
+        # the last layer's input after each token fed: what its query, attention and
+        # feed-forward read (``features_of_fed``), skipped while the steps only fill the cache
+        self.last_inputs: List[Tensor] = []
         # the tokens whose keys and values the cache holds, in order (BOS first)
         self.fed: List[int] = []
 
@@ -133,6 +136,7 @@ class OneRowSteps:
         if first == 0:
             self.keys = [None] * len(self.layers)
             self.values = [None] * len(self.layers)
+            self.last_inputs = []
         steps = torch.tensor(tokens[first:], device=device).view(-1, 1, 1)
         offset = decoder.padding_idx + 1
         plain = plain_input(decoder)
@@ -152,23 +156,56 @@ class OneRowSteps:
             x = self._layers(x.transpose(0, 1), t, cache_only=t + 1 < len(tokens)
                              and not features_of_all)
             if x is not None:
-                if decoder.layer_norm is not None:
-                    x = decoder.layer_norm(x)
-                x = x.reshape(1, -1)
-                if decoder.project_out_dim is not None:
-                    x = decoder.project_out_dim(x)
-                features.append(x)
+                features.append(self._features(x))
         self.fed = list(tokens)
         return features
+
+    def features_of_fed(self) -> List[Tensor]:
+        """The decoder's features (1, d) after each token the cache holds, bit for bit what
+        :meth:`run` with ``features_of_all`` computes: the last layer is run again, step by step,
+        on its inputs kept from the steps that only filled the cache (the layers below them are
+        not), its keys and values rebuilt as those steps built them."""
+        last = len(self.layers) - 1
+        layer = self.layers[last]
+        features, keys, values = [], None, None
+        for t, x in enumerate(self.last_inputs):
+            residual = x
+            if layer.before:
+                x = layer.norm1(x)
+            k, v = self._keys_values(layer, x)
+            if t:
+                k = keys = torch.cat([keys, k], dim=1)
+                v = values = torch.cat([values, v], dim=1)
+            else:
+                keys, values = k, v
+            features.append(self._features(self._rest_of_layer(last, layer, residual, x, k, v)))
+        return features
+
+    def _features(self, x: Tensor) -> Tensor:
+        """The decoder's features after its layers' output ``x`` (1, 1, d)."""
+        decoder = self.decoder
+        if decoder.layer_norm is not None:
+            x = decoder.layer_norm(x)
+        x = x.reshape(1, -1)
+        if decoder.project_out_dim is not None:
+            x = decoder.project_out_dim(x)
+        return x
+
+    @staticmethod
+    def _keys_values(layer: _Layer, x: Tensor) -> Tuple[Tensor, Tensor]:
+        k = F.linear(x, *layer.k).view(-1, layer.heads, layer.head_dim).transpose(0, 1)
+        v = F.linear(x, *layer.v).view(-1, layer.heads, layer.head_dim).transpose(0, 1)
+        return k, v
 
     def _layers(self, x: Tensor, t: int, cache_only: bool) -> Optional[Tensor]:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            if i == last:
+                self.last_inputs.append(x)
             residual = x
             if layer.before:
                 x = layer.norm1(x)
-            k = F.linear(x, *layer.k).view(-1, layer.heads, layer.head_dim).transpose(0, 1)
-            v = F.linear(x, *layer.v).view(-1, layer.heads, layer.head_dim).transpose(0, 1)
+            k, v = self._keys_values(layer, x)
             if t:
                 k = self.keys[i] = torch.cat([self.keys[i], k], dim=1)
                 v = self.values[i] = torch.cat([self.values[i], v], dim=1)
@@ -176,30 +213,38 @@ class OneRowSteps:
                 self.keys[i], self.values[i] = k, v
             if cache_only and i == last:
                 return None
-            q = F.linear(x, *layer.q)
-            q *= layer.scaling
-            q = q.view(1, layer.heads, layer.head_dim).transpose(0, 1)
-            x = residual + F.linear(_attend(q, k, v, 1, 1, layer.embed_dim, None, None),
-                                    *layer.out)
-            if not layer.before:
-                x = layer.norm1(x)
+            x = self._rest_of_layer(i, layer, residual, x, k, v)
+        return x
 
-            residual = x
-            if layer.before:
-                x = layer.norm2(x)
-            q = F.linear(x, *layer.cross_q)
-            q *= layer.cross_scaling
-            q = q.view(1, layer.cross_heads, layer.cross_head_dim).transpose(0, 1)
-            x = _attend(q, self.enc_keys[i], self.enc_values[i], 1, 1, layer.cross_embed_dim,
-                        None, self.enc_pad)
-            x = residual + F.linear(x, *layer.cross_out)
-            if not layer.before:
-                x = layer.norm2(x)
+    def _rest_of_layer(self, i: int, layer: _Layer, residual: Tensor, x: Tensor, k: Tensor,
+                       v: Tensor) -> Tensor:
+        """Layer ``i`` after its keys and values ``k``, ``v`` (the cache's, this step's
+        included): its query and self-attention from the input ``residual`` (``x``: as the
+        keys' projections read it), then the encoder attention and the feed-forward."""
+        q = F.linear(x, *layer.q)
+        q *= layer.scaling
+        q = q.view(1, layer.heads, layer.head_dim).transpose(0, 1)
+        x = residual + F.linear(_attend(q, k, v, 1, 1, layer.embed_dim, None, None),
+                                *layer.out)
+        if not layer.before:
+            x = layer.norm1(x)
 
-            residual = x
-            if layer.before:
-                x = layer.norm3(x)
-            x = residual + F.linear(layer.activation(F.linear(x, *layer.fc1)), *layer.fc2)
-            if not layer.before:
-                x = layer.norm3(x)
+        residual = x
+        if layer.before:
+            x = layer.norm2(x)
+        q = F.linear(x, *layer.cross_q)
+        q *= layer.cross_scaling
+        q = q.view(1, layer.cross_heads, layer.cross_head_dim).transpose(0, 1)
+        x = _attend(q, self.enc_keys[i], self.enc_values[i], 1, 1, layer.cross_embed_dim,
+                    None, self.enc_pad)
+        x = residual + F.linear(x, *layer.cross_out)
+        if not layer.before:
+            x = layer.norm2(x)
+
+        residual = x
+        if layer.before:
+            x = layer.norm3(x)
+        x = residual + F.linear(layer.activation(F.linear(x, *layer.fc1)), *layer.fc2)
+        if not layer.before:
+            x = layer.norm3(x)
         return x
