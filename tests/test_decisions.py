@@ -167,6 +167,7 @@ def test_native_walk_decides_as_python(seed):
                      batch.prev_score.copy(), batch.last.copy(), outcome.gained.copy(),
                      outcome.accepted.copy(), outcome.ended.copy(), outcome.last_pos.copy(),
                      np.array(batch.longest)])
+        assert outcome.ended_rows == int(outcome.ended.sum())  # what the engine retires by
         if native:
             left = outcome.left.copy()
     assert 0 < left.sum() < rows  # both walks ran

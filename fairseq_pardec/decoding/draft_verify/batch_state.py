@@ -4,7 +4,9 @@ per row (:class:`Batch`), and one iteration's block of last tokens and drafts (:
 The host decides every token (decisions.py), so the accepted tokens, their scores and the row
 lengths live on the host, on every device. The device gets what the decoder step and the
 drafters that run there read: the block's tokens and layout, the rows' lengths, the kept counts
-of a rollback, each a copy queued like a kernel (``to_device``), never a wait.
+of a rollback, each a copy queued like a kernel (``to_device``), never a wait. On the CPU a
+plain step reads the host's own lengths and last tokens: every reader runs before the
+decisions write them.
 """
 
 from typing import List, Optional
@@ -58,8 +60,12 @@ class Batch:
         self.n_out_host = torch.zeros(bsz, dtype=torch.long)
         # each row's last accepted token (BOS at first): the next block starts with it
         self.last = np.full(bsz, bos, dtype=np.int64)
-        # the row lengths on the device (the decoder step's positions), after every commit
-        self.n_out = torch.zeros(bsz, dtype=torch.long, device=device)
+        # the row lengths on the device (the decoder step's positions), after every commit; on
+        # the CPU the host's own tensor: whatever reads it there runs before the decisions
+        # write the host's
+        self.shares_lengths = self.device.type == "cpu"
+        self.n_out = (self.n_out_host if self.shares_lengths
+                      else torch.zeros(bsz, dtype=torch.long, device=device))
         self.longest = 0
         # the cumulative score of each row's last accepted token, in float32
         self.prev_score = np.zeros(bsz, dtype=np.float32)
@@ -115,7 +121,8 @@ class Batch:
             self.prefix_host = self.prefix_host[alive_host]
         self.schedule.keep(alive_host)
         alive_dev = to_device(alive_host, self.device)
-        self.rows, self.n_out = self.rows[alive_dev], self.n_out[alive_dev]
+        self.rows = self.rows[alive_dev]
+        self.n_out = self.n_out_host if self.shares_lengths else self.n_out[alive_dev]
         if self.prefix is not None:
             self.prefix = self.prefix[alive_dev]
         if alive:
@@ -151,6 +158,12 @@ class Batch:
         if outcome is None:
             outcome = self._outcomes[rows] = Outcome(rows)
         return outcome
+
+    def lengths_to_device(self):
+        """Queue the row lengths the decisions wrote for the device (on the CPU it reads the
+        host's own)."""
+        if not self.shares_lengths:
+            self.n_out = to_device(self.n_out_host, self.device)
 
     def forcing_prefix(self) -> Optional[Tensor]:
         """The forced prefixes while some row's next step lies inside them (known on the
@@ -257,6 +270,7 @@ class Block:
         if template is None:
             template = batch.plain_blocks[rows] = cls.__new__(cls)
             template.device, template.padded_with = batch.device, pad
+            template.last_array = None  # the array its tokens view, on the CPU
             template.rows, template.width = rows, 0
             template.cols = torch.zeros(1, dtype=torch.long, device=batch.device)
             template.pad = torch.zeros(rows, 1, dtype=torch.bool, device=batch.device)
@@ -266,8 +280,15 @@ class Block:
             template.host_arrays(torch.zeros(rows, 1, dtype=torch.long))
         block = cls.__new__(cls)
         block.__dict__.update(template.__dict__)
-        block.tokens = torch.from_numpy(batch.last.reshape(rows, 1)).to(
-            batch.device, non_blocking=True, copy=True)
+        if batch.shares_lengths:  # on the CPU the step reads the host's own last tokens,
+            # before the decisions write them (a view, kept while the array is the batch's)
+            if template.last_array is not batch.last:
+                template.last_array = batch.last
+                template.tokens = torch.from_numpy(batch.last).view(rows, 1)
+            block.tokens = template.tokens
+        else:
+            block.tokens = torch.from_numpy(batch.last.reshape(rows, 1)).to(
+                batch.device, non_blocking=True, copy=True)
         block.proposed = proposed
         return block
 

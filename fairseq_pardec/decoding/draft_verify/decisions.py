@@ -39,9 +39,11 @@ class Outcome:
     """What an iteration kept of each active row, as arrays the native decisions write:
     ``gained`` tokens, ``accepted`` draft tokens among them, ``ended`` (the last is EOS),
     ``last_pos`` the packed block position of the last; ``left`` marks the rows the native
-    walk left to Python's. One per row count, kept by the batch (:meth:`Batch.outcome`)."""
+    walk left to Python's; ``ended_rows`` counts the rows that ended. One per row count, kept
+    by the batch (:meth:`Batch.outcome`)."""
 
     def __init__(self, rows: int):
+        self.ended_rows = 0
         self.gained = np.zeros(rows, dtype=np.int64)
         self.accepted = np.zeros(rows, dtype=np.int64)
         self.ended = np.zeros(rows, dtype=np.uint8)
@@ -133,13 +135,16 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
         args[DECIDE_OUTCOME] = outcome.addresses
         args[DECIDE_LONGEST] = batch.longest
         margin = batch.margin
-        left = kernel.decide_rows(batch.decide_args_at, -1.0 if margin is None else margin)
+        decided = kernel.decide_rows(batch.decide_args_at, -1.0 if margin is None else margin)
         batch.longest = int(args[DECIDE_LONGEST])
-        if not left:
+        # the rows left to Python's walk, and 2**32 times the rows that ended
+        outcome.ended_rows = decided >> 32
+        if not decided & 0xFFFFFFFF:
             return outcome
         rows = np.flatnonzero(outcome.left).tolist()
     else:
         rows = range(block.rows)
+        outcome.ended_rows = 0
     top = reading.top.tolist()
     for r in rows:
         keep_row(batch, outcome, r, *walk_row(generator, batch, block, reading, top, lprobs,
@@ -158,7 +163,9 @@ def keep_row(batch, outcome: Outcome, r: int, tokens: List[int], scores: List[fl
     batch.n_out_np[r] = start + count
     batch.longest = max(batch.longest, start + count)
     outcome.gained[r], outcome.accepted[r] = count, accepted
-    outcome.ended[r], outcome.last_pos[r] = tokens[-1] == batch.generator.eos, last_pos
+    ended = tokens[-1] == batch.generator.eos
+    outcome.ended[r], outcome.last_pos[r] = ended, last_pos
+    outcome.ended_rows += ended
 
 
 def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], lprobs: Tensor,
@@ -228,6 +235,7 @@ def sampled(generator, batch, block, lprobs: Tensor, n_acc: Tensor, grid: Tensor
         parts.append(lprobs[block.draft_pos, block.draft])
     host = generator.read(torch.cat(parts, 1).double()).tolist()
     eos, outcome = generator.eos, batch.outcome()
+    outcome.ended_rows = 0
     for r, row in enumerate(host):
         accepted, token, lp = int(row[0]), int(row[1]), row[2]
         draft = block.drafts[r][:accepted]

@@ -311,7 +311,7 @@ class DraftVerifyGenerator(StatsGenerator):
         """4. With each row's new tokens, scores and length in the host's tables (the decisions
         wrote them), queue the lengths for the device, show the drafter the outcome, and roll
         the cache back to the kept positions."""
-        batch.n_out = to_device(batch.n_out_host, batch.device)
+        batch.lengths_to_device()
         if block.width == 0:  # a plain step: every row keeps its one position
             fewest = most = 1
         else:
@@ -349,8 +349,8 @@ class DraftVerifyGenerator(StatsGenerator):
 
     def _retire(self, batch: Batch, outcome):
         """5. Finalize the rows that emitted EOS and drop them."""
-        ended = outcome.ended
-        if ended.any():
+        if outcome.ended_rows:
+            ended = outcome.ended
             for r in np.flatnonzero(ended).tolist():
                 batch.finalized[batch.rows_host[r]] = [batch.hypothesis(r)]
             alive = np.flatnonzero(ended == 0).tolist()

@@ -103,6 +103,10 @@ class FastCache:
     attend to (rolled-back holes, padding of a ragged block), or None while no row has any.
     enc_keys/enc_values[i]: (B, heads, S, head_dim); enc_attend: (B, 1, 1, S) True where a
     source position is real, or None without source padding.
+
+    Where buffers change (grown, reordered), their list is replaced, never an item of it: the
+    native step's table of their addresses is kept while the lists are the same
+    (layer_stack.py, ``NativeLayerStack._state_table``).
     """
 
     def __init__(self):

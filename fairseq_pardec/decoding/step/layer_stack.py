@@ -122,18 +122,20 @@ class NativeLayerStack:
     @staticmethod
     def _state_table(cache):
         """The per-layer pointers of ``cache``'s buffers (self keys, self values, encoder keys,
-        encoder values), kept on the cache as ``native_state`` with the addresses they were
-        built from: the cache belongs to one batch, so no other batch can swap its table in."""
-        buffers = (cache.keys, cache.values, cache.enc_keys, cache.enc_values)
-        key = tuple(t.data_ptr() for group in buffers for t in group)
+        encoder values), kept on the cache as ``native_state`` with the lists of buffers they
+        were read from: a cache replaces a list where its buffers change (fast.FastCache), and
+        it belongs to one batch, so no other batch can swap its table in."""
         known = cache.native_state
-        if known is None or known[0] != key:
-            if not all(t.is_contiguous() and t.dtype == torch.float32
-                       for group in buffers for t in group):
-                raise ValueError("the fast step's cache buffers must be contiguous float32")
-            table = [t.data_ptr() for layer in zip(*buffers) for t in layer]
-            known = cache.native_state = (key, (ctypes.c_int64 * len(table))(*table))
-        return known[1]
+        if (known is not None and known[0] is cache.keys and known[1] is cache.values
+                and known[2] is cache.enc_keys and known[3] is cache.enc_values):
+            return known[4]
+        buffers = (cache.keys, cache.values, cache.enc_keys, cache.enc_values)
+        if not all(t.is_contiguous() and t.dtype == torch.float32
+                   for group in buffers for t in group):
+            raise ValueError("the fast step's cache buffers must be contiguous float32")
+        table = [t.data_ptr() for layer in zip(*buffers) for t in layer]
+        cache.native_state = (*buffers, (ctypes.c_int64 * len(table))(*table))
+        return cache.native_state[4]
 
     def _dims(self, rows, batch, length, first, capacity, source, dims=None):
         """(address, table) of the call's table of sizes (native_layers.c's ``dims``): in

@@ -175,12 +175,12 @@ class NativeKernel:
         return out
 
     def _rule_symbols(self, rules) -> int:
-        """The address of {pad, unk} for ``rules``, kept per (pad, unk)."""
-        key = (rules.pad, rules.unk)
+        """The address of {pad, unk} for ``rules`` (an immutable SearchRules), kept while the
+        same rules come."""
         kept = getattr(self._buffers, "rule_symbols", None)
-        if kept is None or kept[0] != key:
-            array = np.array(key, dtype=np.int64)
-            kept = self._buffers.rule_symbols = (key, array, array.ctypes.data)
+        if kept is None or kept[0] is not rules:
+            array = np.array((rules.pad, rules.unk), dtype=np.int64)
+            kept = self._buffers.rule_symbols = (rules, array, array.ctypes.data)
         return kept[2]
 
 

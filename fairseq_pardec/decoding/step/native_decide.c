@@ -62,14 +62,16 @@ static int lead_is_certain(float first, float second, float score, double margin
 
 int pardec_decide_slots(void) { return SLOTS; }
 
-/* Decide every row it can (see above); ``margin`` < 0: no guard. Returns the rows left. */
+/* Decide every row it can (see above); ``margin`` < 0: no guard. Returns the rows left to the
+ * caller, plus 2**32 times the rows decided here that ended (the engine then retires rows
+ * without looking through ENDED). */
 int64_t pardec_decide_rows(int64_t *args, double margin) {
     const float *top = AT(const float, TOP);
     const int64_t *best = AT(const int64_t, BEST);
     const int64_t rows = args[ROWS], width = args[WIDTH], eos = args[EOS];
     const int64_t tokens_stride = args[TOKENS_STRIDE], scores_stride = args[SCORES_STRIDE];
     const int guard = margin >= 0;
-    int64_t left_rows = 0, longest = args[LONGEST];
+    int64_t left_rows = 0, ended_rows = 0, longest = args[LONGEST];
     for (int64_t r = 0; r < rows; r++) {
         const int64_t *pos = args[POS] ? AT(const int64_t, POS) + r * (width + 1) : NULL;
         const int64_t *draft = AT(const int64_t, BLOCK) + r * (width + 1) + 1;
@@ -105,6 +107,7 @@ int64_t pardec_decide_rows(int64_t *args, double margin) {
         AT(int64_t, GAINED)[r] = j + 1;
         AT(int64_t, ACCEPTED)[r] = accepted;
         AT(uint8_t, ENDED)[r] = token == eos;
+        ended_rows += token == eos;
         AT(int64_t, LAST_POS)[r] = at;
         AT(float, PREV_SCORE)[r] = score;
         AT(int64_t, LAST)[r] = token;
@@ -112,5 +115,5 @@ int64_t pardec_decide_rows(int64_t *args, double margin) {
         if (start + j + 1 > longest) longest = start + j + 1;
     }
     ((int64_t *)args)[LONGEST] = longest;
-    return left_rows;
+    return left_rows | ended_rows << 32;
 }
