@@ -201,22 +201,26 @@ class Batch:
     def hypothesis(self, r: int):
         """fairseq's finalized hypothesis dict of active row ``r`` (scores as
         SequenceGenerator computes them), on the batch's device."""
-        generator = self.generator
-        length = int(self.n_out_host[r])
-        cum = self.cum_scores[r, :length].clone()
-        positional = cum.clone()
-        positional[1:] = cum[1:] - cum[:-1]
+        generator, device = self.generator, self.device
+        length = int(self.n_out_np[r])
+        cum = self.scores_np[r, :length]
+        # each token's own score: float32 differences, as fairseq's (numpy rounds one float32
+        # subtraction as torch does)
+        positional = np.empty(length, dtype=np.float32)
+        positional[0] = cum[0]
+        np.subtract(cum[1:], cum[:-1], out=positional[1:])
         # divided on the batch's device, as fairseq divides (CUDA's division by a scalar rounds
         # otherwise than the CPU's)
-        score = to_device(cum[-1], self.device)
+        score = torch.from_numpy(cum[length - 1:].copy()).view(()).to(device, non_blocking=True)
         if generator.normalize_scores:
             score /= length ** generator.len_penalty
+        tokens = torch.from_numpy(self.tokens_np[r, 1: length + 1].copy())
         return {
-            "tokens": to_device(self.tokens[r, 1: length + 1], self.device),
+            "tokens": tokens.to(device, non_blocking=True),
             "score": score,
             "attention": torch.empty(0),
             "alignment": torch.empty(0),
-            "positional_scores": to_device(positional, self.device),
+            "positional_scores": torch.from_numpy(positional).to(device, non_blocking=True),
         }
 
     def uniform_gains(self, count: int) -> Tensor:
