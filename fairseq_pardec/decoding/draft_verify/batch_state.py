@@ -85,13 +85,8 @@ class Batch:
         self.drafts = None
         # row count -> a block without drafts, less its tokens (Block.last_tokens)
         self.plain_blocks = {}
-        # (row count, width) -> what a block whose rows draft as many tokens shares
-        # (Block.from_lists)
-        self.dense_blocks = {}
-        # width -> the block positions 0 .. width on the device (Block.from_lists)
-        self.block_cols = {}
-        # (row count, count) -> (B,) tensor of count on the device (uniform_gains)
-        self._uniform_gains = {}
+        # the device tensors that depend on a block's shape alone, kept across batches
+        self.shapes = generator.block_shapes(self.device)
         self.finalized = [[] for _ in range(bsz)]
         # row of the batch -> its close calls' replay state (margin_guard.RowReplay)
         self._replays = {}
@@ -226,12 +221,7 @@ class Batch:
     def uniform_gains(self, count: int) -> Tensor:
         """(B,) ``count`` for every active row on the device, kept per row count and count
         (each iteration of a generator that drafts nothing gains one token in every row)."""
-        key = (self.n_out_host.numel(), count)
-        gains = self._uniform_gains.get(key)
-        if gains is None:
-            gains = self._uniform_gains[key] = torch.full(key[:1], count, dtype=torch.long,
-                                                           device=self.device)
-        return gains
+        return self.shapes.uniform_gains(self.n_out_np.size, count)
 
     def set_encoder_out(self, encoder_out):
         """The encoder's output for the batch's rows; for the active rows it is reordered when
@@ -248,6 +238,48 @@ class Batch:
                 self._encoder_out_all, self.rows)
             self._encoder_out = (self.rows, encoder_out)
         return encoder_out
+
+
+class BlockShapes:
+    """The device tensors that depend on a block's shape alone, made once per shape on one
+    device and shared by the batches that follow (each batch used to make its own: at batch 1
+    most blocks drafting alike started a new shape). Nothing writes them once made. A
+    generator keeps one per device; past ``LIMIT`` shapes of a kind they are made anew."""
+
+    LIMIT = 1024
+
+    def __init__(self, device):
+        self.device = device
+        # (row count, width) -> (cols, pad grid, layout) of a block whose rows all draft
+        # ``width`` tokens
+        self._dense = {}
+        # width -> the block positions 0 .. width
+        self._cols = {}
+        # (row count, count) -> (B,) ``count`` for every row
+        self._gains = {}
+
+    @classmethod
+    def _kept(cls, table: dict, key, make):
+        value = table.get(key)
+        if value is None:
+            if len(table) >= cls.LIMIT:  # (clear: one step, safe where threads share it)
+                table.clear()
+            value = table[key] = make()
+        return value
+
+    def dense(self, rows: int, width: int):
+        def make():
+            pad_grid = torch.zeros(rows, width + 1, dtype=torch.bool, device=self.device)
+            return self.cols(width), pad_grid, BlockLayout(pad_grid, dense=True)
+        return self._kept(self._dense, (rows, width), make)
+
+    def cols(self, width: int) -> Tensor:
+        return self._kept(self._cols, width,
+                          lambda: torch.arange(width + 1, device=self.device))
+
+    def uniform_gains(self, rows: int, count: int) -> Tensor:
+        return self._kept(self._gains, (rows, count), lambda: torch.full(
+            (rows,), count, dtype=torch.long, device=self.device))
 
 
 class Block:
@@ -311,20 +343,10 @@ class Block:
                                          dtype=np.int64))
         block.tokens = grid.to(batch.device, non_blocking=True)
         if min(lengths) == width:  # what depends on the shape alone is kept per shape
-            shape = (rows, width)
-            dense = batch.dense_blocks.get(shape)
-            if dense is None:
-                pad_grid = torch.zeros(rows, width + 1, dtype=torch.bool, device=batch.device)
-                dense = batch.dense_blocks[shape] = (
-                    torch.arange(width + 1, device=batch.device), pad_grid,
-                    BlockLayout(pad_grid, dense=True))
-            block.cols, block.pad, block.layout = dense
+            block.cols, block.pad, block.layout = batch.shapes.dense(rows, width)
             block.host_arrays(grid)
         else:  # real positions packed time-major: position j of every row, then j + 1
-            cols = batch.block_cols.get(width)
-            if cols is None:
-                cols = batch.block_cols[width] = torch.arange(width + 1, device=batch.device)
-            block.cols = cols
+            block.cols = batch.shapes.cols(width)
             length_array = np.array(lengths, dtype=np.int64)
             real = np.arange(width + 1) <= length_array[:, None]  # (rows, width + 1)
             order = real.T.reshape(-1)  # time-major

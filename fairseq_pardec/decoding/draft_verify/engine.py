@@ -60,7 +60,7 @@ from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unkno
 from fairseq_pardec.decoding.step.factory import StepChoice
 from fairseq_pardec.decoding.step.interface import DecoderStep
 from fairseq_pardec.decoding.decode_stats import DecodeStats, StatsGenerator
-from fairseq_pardec.decoding.draft_verify.batch_state import Batch, Block, to_device
+from fairseq_pardec.decoding.draft_verify.batch_state import Batch, Block, BlockShapes, to_device
 
 
 class DraftVerifyGenerator(StatsGenerator):
@@ -103,6 +103,8 @@ class DraftVerifyGenerator(StatsGenerator):
         # given here; a given margin applies to every iteration, plain steps included (tests
         # hand every decision to fairseq with a wide one)
         self.margin = margin
+        # device -> the block shapes' tensors the batches share (batch_state.BlockShapes)
+        self._block_shapes = {}
         # the engine's reads (``read``): one per iteration, and the drafts of a drafter on the
         # device (a tie's redo, a close call's replay and a drafter's own reads go around it)
         self.device_reads = 0
@@ -179,6 +181,13 @@ class DraftVerifyGenerator(StatsGenerator):
         """Whether this generator's choices pass the margin guard (the benchmark reports its
         close calls)."""
         return self._guard_margin(self.block_decoder) is not None
+
+    def block_shapes(self, device) -> BlockShapes:
+        """The block shapes' tensors on ``device``, shared by this generator's batches."""
+        shapes = self._block_shapes.get(device)
+        if shapes is None:
+            shapes = self._block_shapes[device] = BlockShapes(device)
+        return shapes
 
     def read(self, t: Tensor) -> Tensor:
         """The engine's way to the host: a small tensor read from the device."""
@@ -315,8 +324,8 @@ class DraftVerifyGenerator(StatsGenerator):
         if block.width == 0:  # a plain step: every row keeps its one position
             fewest = most = 1
         else:
-            gained = outcome.gained
-            fewest, most = int(gained.min()), int(gained.max())
+            gained = outcome.gained.tolist()  # a few rows: lists reduce faster than numpy
+            fewest, most = min(gained), max(gained)
             batch.schedule.backed_off(block.lengths, outcome.accepted, batch.iteration - 1)
         if block.proposed and type(self.drafter).observe is not Drafter.observe:
             self._observe(batch, features, outcome)
