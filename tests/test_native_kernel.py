@@ -123,6 +123,43 @@ def test_threads_share_the_products_rows_bit_for_bit(monkeypatch, tmp_path):
     assert torch.equal(alone, shared)
 
 
+_SLEEPING_THREADS = """
+import hashlib, torch
+torch.set_num_threads(2)
+from fairseq_pardec.decoding.step import native
+kernel = native.native_kernel()
+g = torch.Generator().manual_seed(1)
+weight = torch.randn(300, 64, generator=g)
+x = torch.randn(5, 64, generator=g)
+product = kernel.linear(x, kernel.pack(weight), 300)
+print(kernel.serial_loops, kernel.region_microseconds,
+      hashlib.sha256(product.numpy().tobytes()).hexdigest())
+"""
+
+
+def test_sleeping_openmp_threads_run_the_loops_on_one_thread(tmp_path):
+    """Where OpenMP's threads sleep between parallel regions (``OMP_WAIT_POLICY=PASSIVE``),
+    every region wakes them, and a decoder step opens one per product: the library measures
+    that when it binds the runtime and runs its loops on the calling thread, with the same
+    products bit for bit (each output is summed by one thread either way)."""
+    import hashlib
+
+    kernel = native.native_kernel()
+    if kernel is None or kernel.openmp is None:
+        pytest.skip("no native kernel on OpenMP threads here")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="2",
+               FAIRSEQ_PARDEC_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _SLEEPING_THREADS], env=env, check=True,
+                         capture_output=True, text=True).stdout.split()
+    serial, microseconds, digest = out[-3:]
+    assert serial == "True" and float(microseconds) > 10
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(300, 64, generator=g)
+    x = torch.randn(5, 64, generator=g)
+    product = kernel.linear(x, kernel.pack(weight), 300)
+    assert hashlib.sha256(product.numpy().tobytes()).hexdigest() == digest
+
+
 def test_run_time_build_cached_once_in_the_xdg_cache(monkeypatch, tmp_path):
     _needs_compiler()
     _fresh(monkeypatch, tmp_path, installed=False)

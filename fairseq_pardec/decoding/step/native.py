@@ -86,11 +86,17 @@ class NativeKernel:
     ``path``: the library loaded; ``installed``: whether it is the one built at install time
     (else built at run time, in the cache); ``variant``: the instruction set bound
     (native_dispatch.c); ``openmp``: the OpenMP runtime its threads come from (None: one
-    thread); ``build_id``: names its kernel choices in the cache (products.KernelChoice)."""
+    thread); ``build_id``: names its kernel choices in the cache (products.KernelChoice);
+    ``region_microseconds``: the least time an empty parallel region of two threads took when
+    the runtime was bound, and ``serial_loops``: whether the loops run on the calling thread
+    because the runtime's threads sleep between regions (native_parallel.c)."""
 
     def __init__(self, library: ctypes.CDLL, path: Path, installed: bool, openmp: Optional[str],
                  build_id: str):
         self.path, self.installed, self.openmp, self.build_id = path, installed, openmp, build_id
+        library.pardec_region_microseconds.restype = ctypes.c_double
+        self.region_microseconds = library.pardec_region_microseconds()
+        self.serial_loops = bool(library.pardec_serial_loops())
         library.pardec_variant.restype = ctypes.c_char_p
         self.variant = library.pardec_variant().decode()
         self._linear = library.pardec_linear
@@ -256,6 +262,10 @@ def _open(path: Path, installed: bool, build_id: str, cap: Optional[int] = None)
         raise RuntimeError("%s has no variant for this CPU at or below the level asked" % path)
     kernel = NativeKernel(library, path, installed, _bind_openmp(library, _torch_openmp(before)),
                           build_id)
+    if kernel.serial_loops:
+        logger.info("OpenMP's threads sleep between parallel regions here (OMP_WAIT_POLICY="
+                    "PASSIVE or GOMP_SPINCOUNT=0?): waking them took %.0f us a region, so the "
+                    "native kernels run their loops on one thread", kernel.region_microseconds)
     _check(kernel)
     return kernel
 

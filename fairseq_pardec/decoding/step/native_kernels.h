@@ -30,8 +30,8 @@
 typedef void (*pardec_range_fn)(void *context, int64_t begin, int64_t end);
 
 /* The loop split as OpenMP's schedule(static) splits it, over ``threads`` threads of the
- * borrowed runtime; on the calling thread alone where threads <= 1, count <= 1 or there is no
- * runtime. */
+ * borrowed runtime; on the calling thread alone where threads <= 1, count <= 1, there is no
+ * runtime, or the runtime's threads sleep between parallel regions (native_parallel.c). */
 void pardec_parallel_for(int64_t count, int threads, pardec_range_fn body, void *context);
 
 #endif

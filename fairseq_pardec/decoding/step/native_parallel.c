@@ -8,6 +8,7 @@
  */
 
 #include <stddef.h>
+#include <time.h>
 
 #define PARDEC_ANY_ISA /* one copy for every variant */
 #include "native_kernels.h"
@@ -19,17 +20,53 @@ typedef int (*omp_query_fn)(void);
 static gomp_parallel_fn gomp_parallel;
 static omp_query_fn thread_number, thread_count;
 
+/* The least time an empty parallel region of two threads took, in microseconds, and whether the
+ * loops run on the calling thread alone because of it. Where the runtime's threads wait spinning
+ * (OpenMP's default) a region costs well under a microsecond; where they sleep between regions
+ * (OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0) each region wakes them, tens of microseconds, and a
+ * decoder step opens one per product: several times slower than one thread. */
+static double region_microseconds = 0;
+static int serial_loops = 0;
+#define SLEEPING_REGION_MICROSECONDS 10.0
+
+static void nothing(void *data) { (void)data; }
+
+static double now_microseconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
+}
+
+static void measure_regions(void) {
+    double least = -1;
+    for (int i = 0; i < 20; i++) {
+        const double start = now_microseconds();
+        gomp_parallel(nothing, NULL, 2, 0);
+        const double took = now_microseconds() - start;
+        if (i >= 4 && (least < 0 || took < least)) least = took; /* the first start the team */
+    }
+    region_microseconds = least;
+    serial_loops = least > SLEEPING_REGION_MICROSECONDS;
+}
+
 int pardec_use_openmp(void *parallel, void *get_thread_num, void *get_num_threads) {
     if (!parallel || !get_thread_num || !get_num_threads) {
         gomp_parallel = NULL;
         thread_number = thread_count = NULL;
+        region_microseconds = 0;
+        serial_loops = 0;
         return 0;
     }
     thread_number = (omp_query_fn)get_thread_num;
     thread_count = (omp_query_fn)get_num_threads;
     gomp_parallel = (gomp_parallel_fn)parallel;
+    measure_regions();
     return 1;
 }
+
+double pardec_region_microseconds(void) { return region_microseconds; }
+
+int pardec_serial_loops(void) { return serial_loops; }
 
 struct loop {
     int64_t count;
@@ -51,7 +88,7 @@ static void run_share(void *data) {
 }
 
 void pardec_parallel_for(int64_t count, int threads, pardec_range_fn body, void *context) {
-    if (threads <= 1 || count <= 1 || gomp_parallel == NULL) {
+    if (threads <= 1 || count <= 1 || gomp_parallel == NULL || serial_loops) {
         if (count > 0) body(context, 0, count);
         return;
     }
