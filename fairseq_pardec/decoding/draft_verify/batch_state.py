@@ -257,6 +257,8 @@ class BlockShapes:
         self._cols = {}
         # (row count, count) -> (B,) ``count`` for every row
         self._gains = {}
+        # row count -> (B, 1) on the host: a plain block's grid for the native decisions
+        self._plain_grids = {}
 
     @classmethod
     def _kept(cls, table: dict, key, make):
@@ -276,6 +278,10 @@ class BlockShapes:
     def cols(self, width: int) -> Tensor:
         return self._kept(self._cols, width,
                           lambda: torch.arange(width + 1, device=self.device))
+
+    def plain_grid(self, rows: int) -> Tensor:
+        return self._kept(self._plain_grids, rows,
+                          lambda: torch.zeros(rows, 1, dtype=torch.long))
 
     def uniform_gains(self, rows: int, count: int) -> Tensor:
         return self._kept(self._gains, (rows, count), lambda: torch.full(
@@ -300,7 +306,8 @@ class Block:
     @classmethod
     def last_tokens(cls, batch: Batch, pad: int, proposed: bool = True) -> "Block":
         """The block without drafts, each row's last accepted token (a greedy step), built in a
-        few operations: what depends on the row count alone is kept per row count."""
+        few operations: what depends on the row count alone is kept per row count (its device
+        tensors across batches: ``BlockShapes``)."""
         rows = batch.n_out_np.size
         template = batch.plain_blocks.get(rows)
         if template is None:
@@ -308,12 +315,10 @@ class Block:
             template.device, template.padded_with = batch.device, pad
             template.last_array = None  # the array its tokens view, on the CPU
             template.rows, template.width = rows, 0
-            template.cols = torch.zeros(1, dtype=torch.long, device=batch.device)
-            template.pad = torch.zeros(rows, 1, dtype=torch.bool, device=batch.device)
-            template.layout = BlockLayout(template.pad, dense=True)
+            template.cols, template.pad, template.layout = batch.shapes.dense(rows, 0)
             template.drafts, template.lengths = [[]] * rows, [0] * rows
             # (a plain row's block holds no draft: the grid's contents are never read)
-            template.host_arrays(torch.zeros(rows, 1, dtype=torch.long))
+            template.host_arrays(batch.shapes.plain_grid(rows))
         block = cls.__new__(cls)
         block.__dict__.update(template.__dict__)
         if batch.shares_lengths:  # on the CPU the step reads the host's own last tokens,
