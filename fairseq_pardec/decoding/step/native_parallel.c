@@ -43,7 +43,7 @@ static void measure_regions(void) {
         const double start = now_microseconds();
         gomp_parallel(nothing, NULL, 2, 0);
         const double took = now_microseconds() - start;
-        if (i >= 4 && (least < 0 || took < least)) least = took; /* the first start the team */
+        if (i >= 4 && (least < 0 || took < least)) least = took; /* the first 4 start the team */
     }
     region_microseconds = least;
     serial_loops = least > SLEEPING_REGION_MICROSECONDS;

@@ -173,11 +173,8 @@ class OneRowSteps:
             if layer.before:
                 x = layer.norm1(x)
             k, v = self._keys_values(layer, x)
-            if t:
-                k = keys = torch.cat([keys, k], dim=1)
-                v = values = torch.cat([values, v], dim=1)
-            else:
-                keys, values = k, v
+            k = keys = self._grown(keys, k, t)
+            v = values = self._grown(values, v, t)
             features.append(self._features(self._rest_of_layer(last, layer, residual, x, k, v)))
         return features
 
@@ -190,6 +187,12 @@ class OneRowSteps:
         if decoder.project_out_dim is not None:
             x = decoder.project_out_dim(x)
         return x
+
+    @staticmethod
+    def _grown(cached: Optional[Tensor], new: Tensor, t: int) -> Tensor:
+        """A layer's keys (or values) through step ``t``: the step's own at the first, else
+        appended to the cached ones, as fairseq's incremental attention concatenates them."""
+        return torch.cat([cached, new], dim=1) if t else new
 
     @staticmethod
     def _keys_values(layer: _Layer, x: Tensor) -> Tuple[Tensor, Tensor]:
@@ -206,11 +209,8 @@ class OneRowSteps:
             if layer.before:
                 x = layer.norm1(x)
             k, v = self._keys_values(layer, x)
-            if t:
-                k = self.keys[i] = torch.cat([self.keys[i], k], dim=1)
-                v = self.values[i] = torch.cat([self.values[i], v], dim=1)
-            else:
-                self.keys[i], self.values[i] = k, v
+            k = self.keys[i] = self._grown(self.keys[i], k, t)
+            v = self.values[i] = self._grown(self.values[i], v, t)
             if cache_only and i == last:
                 return None
             x = self._rest_of_layer(i, layer, residual, x, k, v)
