@@ -360,6 +360,10 @@ def run(args):
                 # decisions the margin guard handed to fairseq's own search (the last run's),
                 # for generators that have the guard
                 "close_calls": st.get("close_calls") if _guarded(generators[label]) else None,
+                # of those, the ones one teacher-forced pass decided (the rest were replayed
+                # step by step)
+                "close_calls_in_one_pass": (st.get("close_calls_in_one_pass")
+                                            if _guarded(generators[label]) else None),
                 "checkpoint": paths[label],
                 # --generator auto: each drafter's share of the row-iterations (the last run's)
                 "drafts": getattr(generators[label].stats, "drafter_shares", str)() or None,

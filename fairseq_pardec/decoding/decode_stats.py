@@ -39,6 +39,9 @@ class DecodeStats:
     # positions where the fast step could not certify fairseq's choice, decided by fairseq's
     # arithmetic instead (draft_verify/engine.py, draft_verify/margin_guard.py)
     close_calls: int = 0
+    # of those, the ones one teacher-forced pass over the prefix decided (the others were
+    # replayed step by step: draft_verify/margin_guard.py)
+    close_calls_in_one_pass: int = 0
     # block positions the verifier computed: a greedy step verifies one per token
     positions_verified: int = 0
     # --generator auto: row-iterations per drafter chosen ("none": no draft), and the draft
@@ -56,6 +59,7 @@ class DecodeStats:
 
     def reset(self):
         for name in ("sentences", "target_tokens", "decoder_calls", "row_iterations", "close_calls",
+                     "close_calls_in_one_pass",
                      "positions_verified"):
             setattr(self, name, 0)
         self.wall_time = 0.0
@@ -91,7 +95,8 @@ class DecodeStats:
             f"{self.row_iterations / max(self.sentences, 1):.2f} | mean accepted tokens per "
             f"iteration {self.tokens_per_iteration:.2f} | decode wall time {self.wall_time:.2f}s "
             f"({self.sentences_per_second:.1f} sentences/s)"
-            + (f" | close calls decided by fairseq {self.close_calls}" if self.close_calls else "")
+            + (f" | close calls decided by fairseq {self.close_calls} ({self.close_calls_in_one_pass} "
+               f"in one pass)" if self.close_calls else "")
             + (f" | drafts {self.drafter_shares()}" if self.drafter_iterations else "")
         )
 

@@ -33,6 +33,19 @@ measurement on the same models. tests/test_cuda_guard.py measures the CUDA step 
 fairseq's modules on a GPU and asserts the difference stays under a tenth of it; a model much
 wider than d = 1024 should be measured the same way before its outputs are called identical.
 
+The margin guard's first try at a close call (draft_verify/margin_guard.py) is one pass of the
+lean step over the decided prefix as one block: fairseq's operations, each product over the
+prefix's rows at once where fairseq's steps run one row at a time. Those products round
+otherwise only in the order of their sums. Measured on the CPU against fairseq's one-token
+steps (the one-row steps, bit for bit fairseq's), at 10 random prefix lengths of each of the 300
+test sentences' greedy outputs (2,500-2,600 prefixes per model), every log-probability of the
+vocabulary: at most 7.6e-6 on the ddtp-de-en model and 1.6e-5 on the demo's UA-GEC model (median
+2.9e-6); with AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``,
+``ONEDNN_MAX_CPU_ISA=AVX2``) 7.6e-6 and 1.2e-5. :data:`CPU_FP32_TEACHER_FORCED_MARGIN` is ten
+times the largest
+(tests/test_fast_step.py keeps the difference under a tenth of it); on CUDA none is claimed yet
+and every close call is replayed step by step.
+
 TF32: with ``torch.backends.cuda.matmul.fp32_precision = 'tf32'`` (set by ``allow_tf32 = True``
 or ``torch.set_float32_matmul_precision('high' | 'medium')``) float32 products round their
 inputs to 10 mantissa bits (u = 2**-11): the same analysis gives differences of ~1e-2 to 1e-1
@@ -59,6 +72,21 @@ CPU_FP32_MARGIN = 5e-4
 # measured on a GPU (tests/test_cuda_guard.py asserts the measured difference stays under a
 # tenth of it)
 CUDA_FP32_MARGIN = 1e-3
+
+
+# |log-prob - fairseq's| bound for the lean step's teacher-forced pass over a prefix on the CPU, in
+# float32 (the margin guard's first try at a close call: margin_guard._teacher_forced_choice):
+# ten times the measured difference (module doc)
+CPU_FP32_TEACHER_FORCED_MARGIN = 1.6e-4
+
+
+def teacher_forced_margin(device, dtype) -> Optional[float]:
+    """The margin of the lean step's teacher-forced pass over a whole prefix against fairseq's
+    one-token steps; None where none is claimed (CUDA and half precision: the close call is then
+    replayed step by step)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.float64):
+        return None
+    return CPU_FP32_TEACHER_FORCED_MARGIN
 
 
 def rounding_margin(device, dtype) -> Optional[float]:
