@@ -37,12 +37,12 @@ The margin guard's first try at a close call (draft_verify/margin_guard.py) is o
 lean step over the decided prefix as one block: fairseq's operations, each product over the
 prefix's rows at once where fairseq's steps run one row at a time. Those products round
 otherwise only in the order of their sums. Measured on the CPU against fairseq's one-token
-steps (the one-row steps, bit for bit fairseq's), at 10 random prefix lengths of each of the 300
-test sentences' greedy outputs (2,500-2,600 prefixes per model), every log-probability of the
-vocabulary: at most 7.6e-6 on the ddtp-de-en model and 1.6e-5 on the demo's UA-GEC model (median
-2.9e-6); with AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``,
-``ONEDNN_MAX_CPU_ISA=AVX2``) 7.6e-6 and 1.2e-5. :data:`CPU_FP32_TEACHER_FORCED_MARGIN` is ten
-times the largest
+steps (the one-row steps, bit for bit fairseq's) after up to 11 prefixes of each of the 300 test
+sentences' greedy outputs (10 lengths drawn at random and the whole output: 2,512 and 2,670
+prefixes), every log-probability of the vocabulary: at most 7.6e-6 on the ddtp-de-en model and
+1.6e-5 on the demo's UA-GEC model (median 2.9e-6); with AVX2 kernels
+(``ATEN_CPU_CAPABILITY=avx2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``)
+7.6e-6 and 1.2e-5. :data:`CPU_FP32_TEACHER_FORCED_MARGIN` is ten times the largest
 (tests/test_fast_step.py keeps the difference under a tenth of it); on CUDA none is claimed yet
 and every close call is replayed step by step.
 
