@@ -31,7 +31,6 @@ from fairseq.sequence_generator import SequenceGenerator
 # float32's unit roundoff, doubled: adding a score of magnitude s rounds by at most s * 2**-24,
 # on each of the two candidates.
 _ADD_ROUNDING = 2.0 ** -23
-_UNIT_ROUNDOFF = 2.0 ** -24  # float32's: a sum is within this share of its size
 
 
 def lead_is_certain(first: float, second: float, score: float, margin: float) -> bool:
@@ -139,9 +138,17 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
         token_rules(lprobs, generator.pad, generator.unk, generator.unk_penalty)
         return lprobs
 
+    def decision_log_probs(features: Tensor) -> Tensor:
+        """:func:`log_probs` at the decision's step, with fairseq's bar on EOS below --min-len."""
+        lprobs = log_probs(features)
+        if steps < generator.min_len:
+            lprobs[:, generator.eos] = -math.inf
+        return lprobs
+
     # one pass over the whole prefix first, certain where its lead beats its own margin
     if score_bound is not None and _TEACHER_FORCED:
-        certain = _teacher_forced_choice(generator, encoder_out, tokens, log_probs, score_bound)
+        certain = _teacher_forced_choice(decoder, encoder_out, tokens, decision_log_probs,
+                                         score_bound)
         if certain is not None:
             generator.stats.close_calls_in_one_pass += 1
             return certain
@@ -149,9 +156,7 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     computed, steps_run = _fairseq_features(decoder, encoder_out, tokens,
                                             features_of_all=score_bound is None, resume=resume)
     *prefix, features = computed
-    lprobs = log_probs(features)
-    if steps < generator.min_len:
-        lprobs[:, generator.eos] = -math.inf
+    lprobs = decision_log_probs(features)
     if steps == 0:
         return _choice(lprobs, np.float32(0.0))
     # The prefix's score only matters where adding it could tie the best two log-probs. A bound
@@ -179,10 +184,11 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     return _choice(lprobs, np.float32(score.item()))
 
 
-def _teacher_forced_choice(generator, encoder_out, tokens: List[int], log_probs,
+def _teacher_forced_choice(decoder, encoder_out, tokens: List[int], decision_log_probs,
                            score_bound: float) -> Optional[int]:
     """fairseq's choice after ``tokens`` (BOS first) where one teacher-forced pass of the lean
-    step over all of them, a block of the whole prefix, certifies it; None where its lead is
+    step over all of them, a block of the whole prefix, certifies it (``decision_log_probs``:
+    features -> fairseq's adjusted log-probabilities at the decision); None where its lead is
     within that pass's own margin (step/margins.py, ``teacher_forced_margin``) and the rounding
     of adding a score of size up to ``score_bound``.
 
@@ -196,7 +202,6 @@ def _teacher_forced_choice(generator, encoder_out, tokens: List[int], log_probs,
     from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
     from fairseq_pardec.decoding.step.margins import teacher_forced_margin
 
-    decoder = generator.model.decoder
     weight = decoder.embed_tokens.weight
     margin = teacher_forced_margin(weight.device, weight.dtype)
     if margin is None:
@@ -207,16 +212,14 @@ def _teacher_forced_choice(generator, encoder_out, tokens: List[int], log_probs,
     layout = BlockLayout(torch.zeros(1, len(tokens), dtype=torch.bool, device=device), dense=True)
     features = step.forward_packed(block, torch.zeros(1, dtype=torch.long, device=device), layout,
                                    encoder_out, step.new_state())
-    lprobs = log_probs(features[-1:])
-    if len(tokens) - 1 < generator.min_len:
-        lprobs[:, generator.eos] = -math.inf
+    lprobs = decision_log_probs(features[-1:])
     if lprobs.size(-1) < 2:
         return 0
     values, indices = lprobs.topk(2, dim=-1)
     first, second = values[0].tolist()
     # fairseq's log-probs are each within the margin of these; adding its score of size at
     # most ``score_bound`` rounds each sum by at most half a unit in its last place
-    rounding = _UNIT_ROUNDOFF * (2 * (score_bound + margin) + abs(first) + abs(second))
+    rounding = _ADD_ROUNDING * (score_bound + margin + (abs(first) + abs(second)) / 2)
     if first - second > 2 * margin + rounding:
         return int(indices[0, 0])
     return None
