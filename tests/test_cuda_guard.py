@@ -161,3 +161,39 @@ def test_engine_reads_the_device_once_per_iteration(batch_size):
           % (len(from_engine), iterations))
     # the engine's read, the encoder's and the step's own per-batch set-up, the retired rows
     assert len(from_engine) <= iterations + 4 * batch_size + 8
+
+
+@pytest.mark.parametrize("name", ["lean_greedy", "iad", "lookup", "auto"])
+def test_syncs_per_iteration_on_the_static_step(name):
+    """torch's sync detector on the step a CUDA decode takes (the static step), per generator:
+    every synchronising call the detector sees, per iteration, beside the bounds the CPU counter
+    keeps (tests/test_sync_count.py: the most per iteration on average, and per batch outside
+    the iterations). The outputs are fairseq greedy's."""
+    from test_sync_count import BOUNDS, LIMITS, _generator
+
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=3).cuda().eval()
+    samples = [to_cuda(random_batch(d, [5, 12, 9, 3], seed=2)),
+               to_cuda(random_batch(d, [11], seed=5))]
+    generator = _generator(name, d, model)
+    for sample in samples:  # warm-up: the step's buffers and graphs are recorded here
+        generator.generate([model], sample)
+    calls_before = generator.stats.decoder_calls
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            outputs = [generator.generate([model], sample) for sample in samples]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    iterations = generator.stats.decoder_calls - calls_before
+    for sample, got in zip(samples, outputs):
+        expected = fairseq_greedy(model, d, sample, **LIMITS)
+        assert by_id(sample, got) == by_id(sample, expected)
+    _, mean, outside = BOUNDS[name]
+    print("CUDA syncs, %s on %s: %d in %d iterations and %d batches (%.2f per iteration; "
+          "CPU bound %.2f per iteration + %d per batch)"
+          % (name, type(generator.block_decoder).__name__, syncs, iterations, len(samples),
+             syncs / iterations, mean, outside))
+    assert syncs <= mean * iterations + outside * len(samples)

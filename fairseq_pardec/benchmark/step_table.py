@@ -25,7 +25,7 @@ import torch
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.factory import block_decoder_for
 
-BLOCKS = (1, 4, 8, 16)
+BLOCKS = (1, 2, 4, 8, 16)
 
 
 def median_ms(call, repeats: int, device=None) -> float:
