@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 
-from fairseq_pardec import failures
+from fairseq_pardec import failures, prefetch_threads
 
 
 class UsageError(ValueError):
@@ -83,8 +83,7 @@ _FAIRSEQ_FAILURES = (
      lambda m, _: "--path: a checkpoint is truncated or not a torch checkpoint (%s); check the "
                   "file, or train/copy it again" % m.group(0)),
     (AssertionError, r"--sampling requires --nbest to be equal to --beam",
-     lambda m, _: "--sampling draws one sample per sentence: add --beam 1 (fairseq requires "
-                  "--nbest = --beam with --sampling)"),
+     failures.sampling_beam),
     (AssertionError, r"--temperature must be greater than 0",
      lambda m, _: "--temperature must be > 0 (it divides the scores before sampling); for greedy "
                   "output drop --sampling and --temperature"),
@@ -98,7 +97,8 @@ _FAIRSEQ_FAILURES = (
 # fairseq's failures that their text alone does not identify: where they were raised (a
 # checkpoint that fairseq's reader cannot read) or several parts of the text matter.
 _FAIRSEQ_RULES = (failures.bad_checkpoint, failures.dictionary_mismatch,
-                  failures.no_space, failures.bad_binarized_file)
+                  failures.no_space, failures.bad_binarized_file,
+                  failures.interactive_input_not_utf8)
 
 
 def one_line(error):
@@ -244,6 +244,9 @@ def install_cli_boundary():
     hook._pardec = True
     sys.excepthook = hook
     handle_sigterm()
+    # a batch-prefetch thread still collating when the process ends would abort it (SIGABRT)
+    # after this line: stopped at exit
+    prefetch_threads.install()
     if cli and os.path.basename(sys.argv[0]).startswith(("fairseq-train", "train.py")):
         from fairseq_pardec import checkpoint_saving
 

@@ -7,6 +7,7 @@ instead. No fairseq import here: errors.py imports this module before fairseq is
 
 import os
 import re
+import struct
 import sys
 
 
@@ -158,9 +159,24 @@ def missing_split(match, error=None):
 _READERS = ("__init__", "_do_init", "read_index", "read_data", "infer_dataset_impl")
 
 
+def _indexed_sentences(index):
+    """The number of sentences an ``.idx`` of fairseq's memory-mapped format says it indexes,
+    or None where it is not such a file (its header: magic, version, dtype code, count)."""
+    try:
+        with open(index, "rb") as f:
+            header = f.read(26)
+    except OSError:
+        return None
+    if len(header) < 26 or header[:9] != b"MMIDIDX\x00\x00":
+        return None
+    return struct.unpack_from("<Q", header, 18)[0]
+
+
 def bad_binarized_file(error):
     """fairseq's reader of a binarized split failed on its files: an ``.idx`` that is not
-    fairseq's (random bytes, another format) or cut short."""
+    fairseq's (random bytes, another format) or cut short; or a split that fairseq-preprocess
+    binarized from an empty file (an index of no sentences, an empty ``.bin`` that numpy
+    cannot map)."""
     if not isinstance(error, Exception) or isinstance(error, MemoryError):
         return None
     path, reader, traceback = None, None, getattr(error, "__traceback__", None)
@@ -173,6 +189,14 @@ def bad_binarized_file(error):
     if not isinstance(path, str):
         return None
     prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
+    if (os.path.isfile(prefix + ".bin") and os.path.getsize(prefix + ".bin") == 0
+            and _indexed_sentences(prefix + ".idx") == 0):
+        split = os.path.basename(prefix).split(".")[0]
+        flag = flag_of(split, None)  # --gen-subset, --valid-subset, where typed
+        return ("split %s has no sentences: %s.idx indexes none and %s.bin is empty "
+                "(fairseq-preprocess was given an empty file); binarize text that has "
+                "sentences, or give another split%s"
+                % (split, prefix, prefix, " than %s %s" % (flag, split) if flag else ""))
     name = prefix + (".bin" if reader == "read_data" else ".idx")
     said = str(error).split(". ")[0].split("\n")[0] or type(error).__name__
     return ("%s is not a file of a binarized split that fairseq can read, or it is cut short "
@@ -211,6 +235,23 @@ def no_language_pair(match, error=None):
             "-t TGT")
 
 
+def sampling_beam(match, error=None):
+    """fairseq-generate's refusal of ``--sampling`` with a beam above ``--nbest``, raised before
+    any generator is built. A greedy-only ``--generator`` typed without ``--beam`` takes beam 1
+    (tasks/translation_pardec.py): there the typed ``--beam N`` is what to remove."""
+    from fairseq_pardec.cli_checks import values
+    from fairseq_pardec.decoding.registry import SPECS
+
+    generators, beams = values(sys.argv, "--generator"), values(sys.argv, "--beam")
+    spec = SPECS.get(generators[-1][1]) if generators else None
+    if spec is not None and spec.greedy_only and beams:
+        return ("--sampling with --generator %s draws one sample per sentence (beam 1): remove "
+                "--beam %s (fairseq requires --nbest = --beam with --sampling)"
+                % (spec.name, beams[-1][1]))
+    return ("--sampling draws one sample per sentence: add --beam 1 (fairseq requires --nbest = "
+            "--beam with --sampling)")
+
+
 # numpy 2 prints the sizes as ``np.int64(5001)``, numpy 1 as ``5001``
 _SIZE = r"(?:np\.\w+\()?(\d+)\)?"
 TOO_LONG = (r"Size of sample #(\d+) is invalid \(=\(%s, %s\)\) since "
@@ -242,6 +283,52 @@ def interactive_input_name(argv=None):
         elif arg == "--input" and i + 1 < len(argv):
             source = argv[i + 1]
     return "standard input" if source == "-" else "--input %s" % source
+
+
+def _frame_in(error, path_end, function):
+    """The frame of ``function`` in the file ending with ``path_end`` that ``error`` went
+    through, or None (by file: fairseq's CLIs run as ``python -m`` are module ``__main__``)."""
+    traceback = getattr(error, "__traceback__", None)
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        if code.co_name == function and code.co_filename.replace(os.sep, "/").endswith(path_end):
+            return traceback.tb_frame
+        traceback = traceback.tb_next
+    return None
+
+
+def first_undecodable(path):
+    """(byte offset, line number) of the first byte of ``path`` that is not UTF-8, or None.
+    Read a line at a time: a newline byte is never part of a multi-byte UTF-8 character."""
+    offset = 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return offset + error.start, number
+            offset += len(line)
+    return None
+
+
+def interactive_input_not_utf8(error):
+    """fairseq-interactive reads its input as UTF-8 (``buffered_read``): a file in another
+    encoding ended in ``UnicodeDecodeError``, whose offset is within a block, not the file."""
+    if not isinstance(error, UnicodeDecodeError):
+        return None
+    frame = _frame_in(error, "fairseq_cli/interactive.py", "buffered_read")
+    if frame is None:
+        return None
+    source = frame.f_locals.get("input")
+    fix = "convert it to UTF-8 (iconv -f ENCODING -t UTF-8), one sentence per line"
+    if not isinstance(source, str) or source == "-":
+        return "standard input is not UTF-8 text (%s): %s" % (error.reason, fix)
+    try:
+        found = first_undecodable(source)
+    except OSError:
+        found = None
+    where = " (byte %d, on line %d, cannot be decoded)" % found if found else ""
+    return "--input %s is not UTF-8 text%s: %s" % (source, where, fix)
 
 
 def too_long(match, error=None):

@@ -52,7 +52,10 @@ def test_sampling_without_beam_one(cli_data, stock_checkpoint):
     # generator is built (the hub and library callers get the generator's own line)
     proc = generate(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
                     "--sampling", "--beam", 5, check=False)
-    assert_clean_error(proc, "--sampling draws one sample per sentence", "add --beam 1")
+    # naming the generator already asks for beam 1: the typed beam is what to drop
+    assert_clean_error(proc, "--sampling with --generator iad draws one sample per sentence "
+                       "(beam 1): remove --beam 5")
+    assert "add --beam 1" not in proc.stderr
 
 
 @pytest.mark.parametrize("generator", ["greedy", "iad", "lean_greedy"])
@@ -188,7 +191,15 @@ def odd_data(cli_data, tmp_path_factory):
     for side in ("src", "tgt"):
         lines = (data / ("dict.%s.txt" % side)).read_text(encoding="utf-8").splitlines()
         (small / ("dict.%s.txt" % side)).write_text("\n".join(lines[:96]) + "\n", encoding="utf-8")
-    return {"no-dicts": no_dicts, "small-dicts": small, "data": data}
+    empty = root / "empty-split"  # binarized as fairseq-preprocess does an empty file
+    empty.mkdir()
+    from fairseq.data import indexed_dataset
+
+    for side in ("src", "tgt"):
+        shutil.copy(data / ("dict.%s.txt" % side), empty)
+        prefix = str(empty / ("test.src-tgt.%s" % side))
+        indexed_dataset.make_builder(prefix + ".bin", "mmap", 600).finalize(prefix + ".idx")
+    return {"no-dicts": no_dicts, "small-dicts": small, "data": data, "empty-split": empty}
 
 
 @pytest.mark.parametrize("folder,flags,needles", [
@@ -197,6 +208,9 @@ def odd_data(cli_data, tmp_path_factory):
     ("data", ["--gen-subset", "foo"], ["--gen-subset foo", "no such split", "test, train, valid"]),
     ("small-dicts", [], ["other dictionaries than this data's",
                          "its source dictionary has 600 types, this data's has 100"]),
+    ("empty-split", [], ["split test has no sentences: ", "test.src-tgt.src.idx indexes none",
+                         "(fairseq-preprocess was given an empty file)",
+                         "or give another split than --gen-subset test"]),
 ])
 def test_data_that_does_not_fit(odd_data, stock_checkpoint, folder, flags, needles):
     proc = generate(odd_data[folder], stock_checkpoint / "checkpoint_last.pt", "--generator", "iad",
@@ -360,6 +374,17 @@ def test_interactive_without_input(cli_data, stock_checkpoint, tmp_path):
     assert_clean_error(closed, "standard input, which is closed", "--input FILE")
 
 
+def test_interactive_input_that_is_not_utf8(cli_data, stock_checkpoint, tmp_path):
+    """fairseq reads --input as UTF-8: the line names the file, the byte and its line."""
+    _, data = cli_data
+    given = tmp_path / "latin1.txt"
+    given.write_bytes("Це речення .\n".encode("utf-8") + "café crème\n".encode("latin-1"))
+    proc = interactive(data, stock_checkpoint / "checkpoint_last.pt", "--input", given)
+    assert_clean_error(proc, "fairseq_pardec: error: --input %s is not UTF-8 text (byte 25, on "
+                       "line 2, cannot be decoded): convert it to UTF-8" % given)
+    assert "UnicodeDecodeError" not in proc.stderr
+
+
 # ---------------------------------------------------------------------- output that was there stays
 EARLIER = "".join("H-%d\t-0.1\tan earlier run's hypothesis\n" % i for i in range(61))
 
@@ -520,6 +545,19 @@ def test_benchmark_checkpoint_of_other_dictionaries(odd_data, stock_checkpoint, 
                        "types, this data's has 100; its target dictionary has 600 types, this "
                        "data's has 100)" % (ckpt, odd_data["small-dicts"]), "--srcdict/--tgtdict")
     assert "path= checkpoint" not in proc.stderr
+
+
+def test_benchmark_on_an_empty_split(odd_data, stock_checkpoint, tmp_path):
+    """One line, and no finalizer's traceback above it: the reader that the empty split left
+    half-built fails in __del__ when Python lets go of the error, before it prints the line
+    (a new interpreter: the forked runs never get that far)."""
+    proc = run("fairseq_pardec.benchmark", odd_data["empty-split"], "--path",
+               stock_checkpoint / "checkpoint_last.pt", "--generators", "greedy", "--batch-sizes",
+               2, "--repeats", 3, "--max-len-b", 8, "--threads", 1, "--no-progress",
+               "--out-dir", tmp_path / "bench", check=False, fresh=True)
+    assert proc.returncode == 1
+    assert_clean_error(proc, "fairseq_pardec: error: split test has no sentences")
+    assert "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------- CTranslate2

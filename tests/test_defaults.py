@@ -179,6 +179,66 @@ def test_hub_greedy_generators_take_beam_one_only(hub, name):
         ours.translate(sentences)  # the hub's own default beam is 5
 
 
+def test_hub_generator_on_a_checkpoint_of_the_stock_task(cli_data, stock_checkpoint, hub, caplog):
+    """``task='translation_pardec', generator=...`` on a checkpoint that fairseq-train saved with
+    the stock task: fairseq sets only the keys its config has, and both were dropped in silence
+    (beam 5). Our task is adopted, and the generator decodes; ``generator=`` alone is said to
+    be ignored, in one warning that names the fix."""
+    import logging
+
+    from fairseq.models.transformer import TransformerModel
+    from fairseq.tasks.translation import TranslationTask
+
+    from fairseq_pardec.tasks.translation_pardec import TranslationPardecTask
+
+    load, sentences = hub
+    stock = load("translation")
+
+    def from_pretrained(**overrides):
+        return TransformerModel.from_pretrained(
+            str(stock_checkpoint), checkpoint_file="checkpoint_last.pt",
+            data_name_or_path=str(cli_data[1]), max_len_b=30, **overrides)
+
+    with caplog.at_level(logging.WARNING):
+        ours = from_pretrained(task="translation_pardec", generator="iad")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert isinstance(ours.task, TranslationPardecTask) and ours.task.cfg.generator == "iad"
+    assert ours.translate(sentences, beam=1) == stock.translate(sentences, beam=1)
+    with pytest.raises(UsageError, match="--generator iad decodes greedily"):
+        ours.translate(sentences, beam=5)  # iad's own refusal: the generator is the one built
+    plain = from_pretrained(task="translation_pardec")  # fairseq's beam search, as stock
+    assert isinstance(plain.task, TranslationPardecTask) and plain.task.cfg.generator == "beam"
+    assert plain.translate(sentences, beam=5) == stock.translate(sentences, beam=5)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ignored = from_pretrained(generator="auto")
+    assert type(ignored.task) is TranslationTask
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == ["generator='auto' is an option of task 'translation_pardec', which the "
+                    "checkpoint's task 'translation' ignores (it decodes with fairseq's own "
+                    "search): add task='translation_pardec' (it decodes checkpoints of the stock "
+                    "translation task too)"], said
+
+
+def test_hub_task_override_on_a_task_ours_does_not_extend(caplog):
+    """A checkpoint of a task that is not fairseq's translation task keeps its task, and the
+    caller is told."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from fairseq_pardec.tasks.hub_overrides import adopt_task
+
+    cfg = OmegaConf.create({"task": {"_name": "language_modeling", "data": "x"}})
+    with caplog.at_level(logging.WARNING):
+        adopt_task(cfg, {"task": "translation_pardec", "generator": "iad"})
+    assert cfg.task._name == "language_modeling" and "generator" not in cfg.task
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == ["task='translation_pardec' cannot decode a checkpoint of task "
+                    "'language_modeling' (it extends fairseq's translation task only): the "
+                    "checkpoint decodes with its own task, which ignores generator"], said
+
+
 def _eval_bleu_task(generator, eval_bleu_args):
     d = make_dictionary()
     options = dict(eval_bleu=True, eval_bleu_args=eval_bleu_args)

@@ -101,6 +101,34 @@ def test_a_damaged_cached_build_is_built_again(monkeypatch, tmp_path, caplog, go
     assert _agrees_with_torch(kernel)
 
 
+def test_a_cached_build_for_another_architecture_is_built_again(monkeypatch, tmp_path, caplog,
+                                                              good_build):
+    """A library of another machine under this one's name, its checksum matching: it checks out,
+    and glibc's dlopen calls it "No such file or directory". It was never removed, so every run
+    warned; now it is removed and built again, as a damaged one, and the next run is quiet."""
+    path = _cached(monkeypatch, tmp_path, good_build)
+    foreign = bytearray(path.read_bytes())
+    foreign[18:20] = (183).to_bytes(2, "little")  # e_machine: AArch64
+    path.write_bytes(bytes(foreign))
+    native_file.install(path, path)  # its checksum, written for the foreign file
+    assert native_file.problem(path) is None
+    builds = _builds_copied_from(monkeypatch, good_build)
+    with caplog.at_level(logging.WARNING):
+        kernel = native.native_kernel()
+    assert kernel is not None, native.native_unavailable_reason()
+    assert kernel.path == path and len(builds) == 1
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and str(path) in warnings[0], warnings
+    assert "cannot be loaded (built for another architecture (ELF machine 183" in warnings[0]
+    assert "removed and built again" in warnings[0]
+    assert _agrees_with_torch(kernel)
+    caplog.clear()
+    _fresh(monkeypatch, tmp_path, installed=False)  # the next run
+    with caplog.at_level(logging.WARNING):
+        assert native.native_kernel().path == path
+    assert len(builds) == 1 and not _warnings(caplog)
+
+
 def test_a_good_cached_build_is_loaded_as_it_is(monkeypatch, tmp_path, caplog, good_build):
     path = _cached(monkeypatch, tmp_path, good_build)
     builds = _builds_copied_from(monkeypatch, good_build)

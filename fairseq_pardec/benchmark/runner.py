@@ -496,6 +496,10 @@ def cli_main(argv=None, make_parser=None, command=None):
         line = one_line(error)
         if line is None:
             raise
+        # Python prints the line after it has let go of the error, and with it of what the
+        # error left half-built (fairseq's reader of an empty split): that object's failing
+        # __del__ would print its traceback above the line
+        errors.quiet_finalizers()
         raise SystemExit(line) from None
 
 

@@ -25,8 +25,9 @@ bring no second runtime into the process.
 Either library is loaded only once its file checks out (native_file.py: ELF headers within
 the file, the checksum written beside it at build time): dlopen of a file cut short kills the
 process (SIGBUS), where Python could not catch it. An installed library that fails the check is
-passed over for the run-time build; a cached build that fails it is removed and built again;
-one warning line names the file either way.
+passed over for the run-time build; a cached build that fails it, or that dlopen refuses though
+it checks out (a build for another architecture, which glibc reports as "No such file or
+directory"), is removed and built again; one warning line names the file either way.
 
 Where there is no library, no compiler, the build fails, or the library miscomputes a test
 product, :func:`native_kernel` returns None and says why in :func:`native_unavailable_reason`;
@@ -366,8 +367,47 @@ def _load(notes: List[str]) -> NativeKernel:
         notes.append("the installed native kernels cannot run here (%s)" % error)
     if kernel is None:
         path = _built(notes)
-        kernel = _open(path, False, path.stem)
+        inode = path.stat().st_ino
+        try:
+            kernel = _open(path, False, path.stem)
+        except OSError as error:
+            # dlopen refused a cached build whose file checks out (a library for another
+            # machine put under this one's name): it would fail in every later run, so it is
+            # removed and built again, as a damaged one is
+            _remove_unloadable(path, inode, error, notes)
+            path = _built(notes)
+            kernel = _open(path, False, path.stem)
     return kernel
+
+
+def _elf_machine(path) -> Optional[int]:
+    """The ELF header's machine (62: x86-64, 183: AArch64, ...), or None where it is not ELF."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+    except OSError:
+        return None
+    if len(header) < 20 or header[:4] != native_file.ELF_MAGIC:
+        return None
+    return int.from_bytes(header[18:20], "little" if header[5] == 1 else "big")
+
+
+def _remove_unloadable(path: Path, inode: int, error: OSError, notes: List[str]):
+    """Remove the cached build ``path`` that dlopen refused, unless another process has put a
+    new build there meanwhile (another inode); say why in ``notes``."""
+    ours, its = _elf_machine("/proc/self/exe"), _elf_machine(path)
+    # glibc reports a library of another architecture as "No such file or directory"
+    why = ("built for another architecture (ELF machine %d, this process's is %d)" % (its, ours)
+           if its is not None and ours is not None and its != ours else str(error))
+    with native_cache.locked(path.parent):
+        try:
+            same = path.stat().st_ino == inode
+        except FileNotFoundError:
+            same = False
+        if same:
+            native_file.remove(path)
+    notes.append("the cached native kernels %s cannot be loaded (%s): removed and built again"
+                 % (path, why))
 
 
 def _check(kernel: NativeKernel):
