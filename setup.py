@@ -114,7 +114,8 @@ setup(
     # for the build at run time where the install could not compile them (decoding/step/native.py)
     ext_modules=[Extension(NATIVE, sources=[], optional=True)],
     cmdclass={"build_ext": BuildNativeKernels},
-    package_data={"fairseq_pardec.decoding.step": ["native_*.c", "native_*.h"]},
+    package_data={"fairseq_pardec.decoding.step": ["native_*.c", "native_*.h"],
+                  "fairseq_pardec.serve": ["page.html"]},
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.6,<3",
@@ -128,9 +129,17 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=7"],
+        # the server (fairseq-pardec-serve)
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20"],
+        # the server's tests and its load benchmark's client; playwright drives Debian's
+        # chromium for the page's test (skipped where no chromium is found)
+        "test": ["pytest>=7", "fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20",
+                 "httpx>=0.27", "playwright>=1.40"],
         # CTranslate2 rows in the benchmark (python -m fairseq_pardec.benchmark --generators ct2)
         "ct2": ["ctranslate2>=4.5,<5"],
     },
-    entry_points={"console_scripts": ["pardec-benchmark=fairseq_pardec.benchmark:cli_main"]},
+    entry_points={"console_scripts": [
+        "pardec-benchmark=fairseq_pardec.benchmark:cli_main",
+        "fairseq-pardec-serve=fairseq_pardec.serve.__main__:cli_main",
+    ]},
 )

@@ -12,10 +12,13 @@ from helpers import collate, make_dictionary, make_task, tiny_transformer  # noq
 from cli_setup import (  # noqa: E402,F401
     blockwise_checkpoint, cli_data, drafter_checkpoint, ibdecoder_checkpoint, stock_checkpoint,
 )
+from serve_setup import served  # noqa: E402,F401  (the server tests' server process)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); pytest -m cuda")
+    config.addinivalue_line(
+        "markers", "full_calibration: measures margins in force on as many positions as decoding does")
     config.addinivalue_line(
         "markers",
         "trains: trains a model in the test process or uses a fixture that does; what it learns "
@@ -80,3 +83,17 @@ def copy_model():
         return make_batch(batch_size)
 
     return model, d, make_sample
+
+
+@pytest.fixture(autouse=True)
+def small_margin_calibration(request, monkeypatch):
+    """A guarded generator measures its step on the model before its first batch
+    (decoding/step/calibration.py): 8 rows of 32 tokens of fairseq's greedy steps, a few tenths
+    of a second on a tiny model, which a suite that builds hundreds of models would pay each
+    time. Tests measure 2 rows of 8 tokens, the same code on fewer positions, unless marked
+    ``full_calibration`` (the tests of the measurement itself)."""
+    if request.node.get_closest_marker("full_calibration") is None:
+        from fairseq_pardec.decoding.step import calibration
+
+        monkeypatch.setattr(calibration, "ROWS", 2)
+        monkeypatch.setattr(calibration, "TOKENS", 8)
