@@ -1,0 +1,34 @@
+"""The server's load benchmark against the shared test server (variant url): a few requests at
+one rate, every output compared with fairseq-interactive's greedy one; the report's three files.
+Nothing is timed: speed stays in the benchmark."""
+
+import json
+
+import pytest
+
+pytest.importorskip("httpx")
+
+from serve_setup import interactive_greedy, source_texts  # noqa: E402
+
+
+def test_load_benchmark_reports_every_output_equal_to_greedy(served, cli_data, stock_checkpoint, tmp_path):
+    from fairseq_pardec.benchmark.serve import main
+
+    _, data = cli_data
+    texts = source_texts(cli_data, 8)
+    (tmp_path / "texts").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    greedy = interactive_greedy(data, stock_checkpoint / "checkpoint_last.pt", texts)
+    (tmp_path / "greedy").write_text("\n".join(greedy) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    rows = main(["--input", str(tmp_path / "texts"), "--greedy", str(tmp_path / "greedy"),
+                 "--variants", "url", "--url", served.url, "--rates", "20", "--requests", "12",
+                 "--out-dir", str(out)])
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["answered"] == 12 and row["failed"] == 0
+    assert row["identical_to_greedy"] == row["compared"] == 12
+    assert row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
+    report = json.loads((out / "serve.json").read_text())
+    assert report["rows"][0]["variant"] == "url" and report["meta"]["seed"] == 1
+    assert "| url | 20 |" in (out / "serve.md").read_text()
+    assert (out / "serve_latency.png").read_bytes()[:4] == b"\x89PNG"
