@@ -11,7 +11,10 @@ from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistor
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import CPU_PRICES, FixedPrices
 from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
 
-from helpers import collate, make_dictionary
+from fairseq_pardec.decoding.draft_verify.drafters.base import Drafter
+from fairseq_pardec.decoding.registry import DraftVerifyGenerator, ExactAcceptance
+
+from helpers import by_id, collate, fairseq_greedy, make_dictionary
 
 
 def drafter_for(source_words, d, block_size=None, tgt=None, adaptive=False):
@@ -283,3 +286,40 @@ def test_cpu_price_of_a_position_grows_with_the_active_rows():
     acceptance_alone = DraftSchedule(32)
     acceptance_alone.plan_drafts(["copy"], {}, None, None, adaptive=True)
     assert acceptance_alone.plan(rows, limits) == [[(0.0, "copy", 100)]] * 32
+
+
+class OracleDrafter(Drafter):
+    """Drafts fairseq greedy's own continuation, EOS included, and records what the engine
+    reports kept."""
+
+    observes_features = False
+
+    def __init__(self, outputs):
+        self.outputs, self.drafted, self.kept = outputs, {}, []
+
+    def propose_lists(self, state, rows, tokens, n_out, room):
+        drafts = [self.outputs[r][n: n + k] for r, n, k in zip(rows, n_out, room)]
+        self.drafted = dict(zip(rows, drafts))
+        return drafts
+
+    def observe(self, state, rows, features, last, tokens=None):
+        self.observe_kept(state, rows.tolist(), last.tolist())
+
+    def observe_kept(self, state, rows, kept):
+        self.kept += [(self.drafted[r], k) for r, k in zip(rows, kept)]
+
+
+@pytest.mark.trains
+def test_a_draft_accepted_up_to_its_eos_is_observed_whole(copy_model):
+    """The drafter is told every accepted draft token, also where the draft ends in EOS and
+    the verifier adds none of its own (the count was one short, booked as a rejection)."""
+    model, d, make_sample = copy_model
+    sample = make_sample(6, seed=3)
+    expected = fairseq_greedy(model, d, sample, max_len_a=1.0, max_len_b=30)
+    drafter = OracleDrafter([h[0]["tokens"].tolist() for h in expected])
+    generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), max_len_a=1.0,
+                                     max_len_b=30, backoff=False)
+    got = generator.generate([model], sample)
+    assert by_id(sample, got) == by_id(sample, expected)
+    assert drafter.kept and all(k == len(draft) for draft, k in drafter.kept)
+    assert any(draft and draft[-1] == d.eos() for draft, _ in drafter.kept)

@@ -12,6 +12,7 @@ where the step has one, which no torch hook sees: the engine counts it itself
 import pytest
 
 from fairseq_pardec.decoding.draft_verify import decisions
+from fairseq_pardec.decoding.step import calibration
 from fairseq_pardec.decoding.draft_verify.acceptance import TopBetaTauAcceptance
 from fairseq_pardec.decoding.draft_verify.drafters import (AutoDrafter, CopyDrafter, LookupDrafter,
                                                           NoDrafter)
@@ -71,6 +72,7 @@ def _counted(generator, model, samples, monkeypatch):
     counter = SyncCounter()
     monkeypatch.setattr(decisions, "fairseq_decision",
                         counter.counted_once(decisions.fairseq_decision))
+    _margins_measured_beforehand(generator, model, samples[0])
     iterations, batches = per_iteration(counter, generator)
     for sample in samples:
         expected = by_id(sample, fairseq_greedy(model, generator.tgt_dict, sample, **LIMITS))
@@ -78,6 +80,16 @@ def _counted(generator, model, samples, monkeypatch):
             got = generator.generate([model], sample)
         assert by_id(sample, got) == expected
     return iterations, batches
+
+
+def _margins_measured_beforehand(generator, model, sample):
+    """The margins in force are measured on a model before its first batch, once a model
+    (step/calibration.py): here, outside the count, which then holds what every batch does."""
+    step, encode = generator._step_and_encoder()
+    if generator._guard_margin(step) is not None and generator.margin is None:
+        d = generator.tgt_dict
+        calibration.margins_for(model, step, encode, sample["net_input"], d.eos(), d.eos(),
+                                d.pad(), d.pad())
 
 
 def _with_engine_reads(iterations, generator, native_reads):

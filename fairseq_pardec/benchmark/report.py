@@ -23,6 +23,7 @@ COLUMNS = [
     ("identical_to_greedy", "= greedy", "%.1f%%"),
     ("close_calls", "close calls", "%d"),
     ("close_calls_in_one_pass", "in one pass", "%d"),
+    ("margins", "margins in force", "%s"),
     ("identical_to_source", "= source", "%.1f%%"),
     ("first_divergence", "1st diff at", "%.1f"),
     ("drafts", "drafts", "%s"),
@@ -40,7 +41,9 @@ def markdown(meta, rows):
         "arithmetic at close calls, *engine*: the rest, what runs between the model's calls "
         "(shares on the CPU only); *close calls*: choices the fast step's margin guard "
         "left to fairseq's own search, in one run, and *in one pass* of them, those one "
-        "teacher-forced pass over the prefix decided; *x best single*: speed over the fastest of "
+        "teacher-forced pass over the prefix decided; *margins in force*: the guard's margin "
+        "on the step and on that pass (*replay*: none), each the larger of its floor and ten "
+        "times the spread measured on the model before its first batch; *x best single*: speed over the fastest of "
         "lean_greedy, iad and lookup in the run; *drafts* (auto): each drafter's share of the "
         "row-iterations, with its accepted draft tokens per drafting iteration; *= source*: "
         "share of outputs identical to their source (shared vocabularies only); *1st diff at*: "

@@ -364,6 +364,8 @@ def run(args):
                 # step by step)
                 "close_calls_in_one_pass": (st.get("close_calls_in_one_pass")
                                             if _guarded(generators[label]) else None),
+                # the margins in force, as measured on the model (step/calibration.py)
+                "margins": st.get("margins") or None,
                 "checkpoint": paths[label],
                 # --generator auto: each drafter's share of the row-iterations (the last run's)
                 "drafts": getattr(generators[label].stats, "drafter_shares", str)() or None,

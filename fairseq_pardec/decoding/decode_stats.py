@@ -42,6 +42,9 @@ class DecodeStats:
     # of those, the ones one teacher-forced pass over the prefix decided (the others were
     # replayed step by step: draft_verify/margin_guard.py)
     close_calls_in_one_pass: int = 0
+    # the margins in force, as measured on the model (step/margins.py MarginsInForce.describe;
+    # empty where none was measured: unguarded, or a margin given)
+    margins: str = ""
     # block positions the verifier computed: a greedy step verifies one per token
     positions_verified: int = 0
     # --generator auto: row-iterations per drafter chosen ("none": no draft), and the draft
@@ -97,6 +100,7 @@ class DecodeStats:
             f"({self.sentences_per_second:.1f} sentences/s)"
             + (f" | close calls decided by fairseq {self.close_calls} ({self.close_calls_in_one_pass} "
                f"in one pass)" if self.close_calls else "")
+            + (f" | {self.margins}" if self.margins else "")
             + (f" | drafts {self.drafter_shares()}" if self.drafter_iterations else "")
         )
 

@@ -38,7 +38,7 @@ class Batch:
 
     def __init__(self, generator, step: DecoderStep, bsz: int,
                  max_len: int, bos: int, prefix: Optional[Tensor], device,
-                 guard: Optional[float] = None):
+                 guard: Optional[float] = None, margins=None):
         self.generator = generator
         # the decoder step of this batch, chosen when it started (its cache is this step's)
         self.step = step
@@ -52,6 +52,8 @@ class Batch:
         # the margin guard: its margin (None: no guard), and whether every step so far ran one
         # position per row on a step that then rounds as fairseq does (no guard needed yet)
         self.guard = guard
+        # the margins in force on this model (step/calibration.py), None where given or unguarded
+        self.margins = margins
         self.exact_so_far = generator.margin is None and step.one_position_exact
         # on the host: BOS and the accepted tokens, their cumulative scores, the row lengths
         self.tokens = torch.full((bsz, max_len + 2), generator.pad, dtype=torch.long)

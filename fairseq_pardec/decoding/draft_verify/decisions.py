@@ -201,7 +201,8 @@ def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], 
                 with batch.guard_timer:
                     token = fairseq_decision(
                         generator, sample["net_input"]["src_tokens"][batch.rows_host[r]],
-                        before, bos_token, score_bound=bound, resume=batch.row_replay(r))
+                        before, bos_token, score_bound=bound, resume=batch.row_replay(r),
+                        margins=batch.margins)
                 lp = float(lprobs[at, token])
                 generator.stats.close_calls += 1
         kept = False

@@ -51,7 +51,9 @@ from torch import Tensor
 from fairseq_pardec.errors import UsageError
 
 from fairseq_pardec.decoding.fairseq_rules import SearchRules, block_edits
-from fairseq_pardec.decoding.step.margins import refuse_reduced_precision_matmuls
+from fairseq_pardec.decoding.step import calibration
+from fairseq_pardec.decoding.step.margins import (refuse_reduced_precision_matmuls,
+                                                  warn_unguarded_precision)
 from fairseq_pardec.decoding.draft_verify.decisions import decide, read_positions, sampled
 from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
 from fairseq_pardec.decoding.draft_verify.drafters.base import Drafter
@@ -227,12 +229,20 @@ class DraftVerifyGenerator(StatsGenerator):
         # chosen per batch: the model's device and dtype may have changed since the last one
         step, encode = self._step_and_encoder()
         guard = self._guard_margin(step)
+        bos = self.eos if bos_token is None else bos_token
+        margins = None
         if self.acceptance.lossless and self.sampler is None:
             # read at generate time: the setting may change after the generator was built
             weight = self.model.decoder.embed_tokens.weight
             refuse_reduced_precision_matmuls(weight.device, weight.dtype)
-        bos = self.eos if bos_token is None else bos_token
-        batch = Batch(self, step, bsz, max_len, bos, prefix_tokens, device, guard)
+            if guard is None:
+                warn_unguarded_precision(weight.dtype)
+            elif self.margin is None:  # the step's own margin: as measured on this model
+                margins = calibration.margins_for(self.model, step, encode, net_input, bos,
+                                                  self.eos, self.src_pad, self.pad, max_len)
+                guard = margins.step
+                self.stats.margins = margins.describe()
+        batch = Batch(self, step, bsz, max_len, bos, prefix_tokens, device, guard, margins)
         with batch.encoder_timer:
             batch.set_encoder_out(encode(net_input))
         with batch.drafter_timer:
@@ -342,9 +352,11 @@ class DraftVerifyGenerator(StatsGenerator):
         drafter, device = self.drafter, batch.device
         if not drafter.observes_features and not drafter.on_device:  # lists suffice
             with batch.drafter_timer:
-                drafter.observe_kept(batch.drafts, batch.rows_host, (outcome.gained - 1).tolist())
+                drafter.observe_kept(batch.drafts, batch.rows_host, outcome.accepted.tolist())
             return
-        last = torch.from_numpy(outcome.gained - 1)
+        # the accepted draft tokens, not the gained ones less the verifier's own: a draft
+        # accepted up to its EOS gains no token of the verifier's
+        last = torch.from_numpy(outcome.accepted)
         last_features = last_tokens = None
         if drafter.observes_features:
             at = to_device(torch.from_numpy(outcome.last_pos), device)

@@ -28,6 +28,8 @@ from torch import Tensor
 
 from fairseq.sequence_generator import SequenceGenerator
 
+from fairseq_pardec.decoding.step.margins import MarginsInForce
+
 # float32's unit roundoff, doubled: adding a score of magnitude s rounds by at most s * 2**-24,
 # on each of the two candidates.
 _ADD_ROUNDING = 2.0 ** -23
@@ -55,7 +57,8 @@ class RowReplay:
 
 def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
                      bos_token: Optional[int] = None, score_bound: Optional[float] = None,
-                     resume: Optional[RowReplay] = None) -> int:
+                     resume: Optional[RowReplay] = None,
+                     margins: Optional[MarginsInForce] = None) -> int:
     """The token fairseq's beam-1 search takes after ``decided`` for one source sentence.
 
     Args:
@@ -67,6 +70,8 @@ def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
             features.
         resume: the row's :class:`RowReplay`, kept by the caller between the row's close calls
             of one batch (the same sentence, the same weights), or None.
+        margins: the margins in force on the model (step/calibration.py); None: the declared
+            ones for its device and dtype (step/margins.py).
     """
     # on the model's device, as fairseq-generate moves its batch there
     device = next(generator.model.parameters()).device
@@ -74,7 +79,8 @@ def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
     decided = decided.to(device)
     sample = {"net_input": {"src_tokens": src,
                             "src_lengths": torch.tensor([src.size(1)], device=device)}}
-    replayed = _replayed_decision(generator, sample, decided, bos_token, score_bound, resume)
+    replayed = _replayed_decision(generator, sample, decided, bos_token, score_bound, resume,
+                                  margins)
     if replayed is not None:
         return replayed
     # the search must reach the decision's step, and fairseq refuses a length limit below
@@ -92,7 +98,8 @@ def fairseq_decision(generator, src_tokens: Tensor, decided: Tensor,
 
 
 def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[int],
-                       score_bound: Optional[float] = None, resume: Optional[RowReplay] = None):
+                       score_bound: Optional[float] = None, resume: Optional[RowReplay] = None,
+                       margins: Optional[MarginsInForce] = None):
     """:func:`fairseq_decision` by replaying what fairseq's ``SequenceGenerator`` computes for
     it, without its search bookkeeping and with the one-row steps (step/one_row_steps.py) or the
     lean step for the decoder layers; None where the replay does not apply (the caller then runs
@@ -148,7 +155,7 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     # one pass over the whole prefix first, certain where its lead beats its own margin
     if score_bound is not None and _TEACHER_FORCED:
         certain = _teacher_forced_choice(decoder, encoder_out, tokens, decision_log_probs,
-                                         score_bound)
+                                         score_bound, margins)
         if certain is not None:
             generator.stats.close_calls_in_one_pass += 1
             return certain
@@ -185,12 +192,14 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
 
 
 def _teacher_forced_choice(decoder, encoder_out, tokens: List[int], decision_log_probs,
-                           score_bound: float) -> Optional[int]:
+                           score_bound: float,
+                           margins: Optional[MarginsInForce] = None) -> Optional[int]:
     """fairseq's choice after ``tokens`` (BOS first) where one teacher-forced pass of the lean
     step over all of them, a block of the whole prefix, certifies it (``decision_log_probs``:
     features -> fairseq's adjusted log-probabilities at the decision); None where its lead is
-    within that pass's own margin (step/margins.py, ``teacher_forced_margin``) and the rounding
-    of adding a score of size up to ``score_bound``.
+    within that pass's own margin (``margins.teacher_forced`` as measured on the model,
+    step/calibration.py; without ``margins`` the declared one, step/margins.py,
+    ``teacher_forced_margin``) and the rounding of adding a score of size up to ``score_bound``.
 
     The pass runs each product once over the prefix's rows, on every thread, where fairseq's
     steps run one row at a time, each product then bound by reading its weights on one thread:
@@ -203,7 +212,10 @@ def _teacher_forced_choice(decoder, encoder_out, tokens: List[int], decision_log
     from fairseq_pardec.decoding.step.margins import teacher_forced_margin
 
     weight = decoder.embed_tokens.weight
-    margin = teacher_forced_margin(weight.device, weight.dtype)
+    if margins is not None:
+        margin = margins.teacher_forced
+    else:
+        margin = teacher_forced_margin(weight.device, weight.dtype)
     if margin is None:
         return None
     device = weight.device
