@@ -143,6 +143,10 @@ def test_engine_reads_the_device_once_per_iteration(batch_size):
     from_engine = []
 
     def record(message, category, filename, lineno, file=None, line=None):
+        # the detector's warnings only: other warnings raised under the engine (torch's
+        # deprecation of mismatched attention masks, once a call with "always") are no syncs
+        if "synchroniz" not in str(message):
+            return
         stack = "".join(traceback.format_stack())
         if "draft_verify/engine.py" in stack:
             from_engine.append(stack)
