@@ -7,6 +7,8 @@ each variant in turn, alone on the machine:
 * ``join``: fairseq-pardec-serve as it is (rows join at the batch's next opportunity);
 * ``buffer``: the same server batching per request (``--batching buffer``: up to --batch-size
   rows or --buffer-ms, then that batch to its end), as TorchServe and CTranslate2's buffer do;
+* ``ct2``: CTranslate2 float32 behind the same front, batching per request as ``buffer`` does
+  (benchmark/ct2_server.py; needs ctranslate2);
 * ``hub``: fairseq's hub, one request at a time (benchmark/hub_server.py);
 * ``url``: a server already running at ``--url`` (nothing started).
 
@@ -37,7 +39,7 @@ from fairseq_pardec.errors import UsageError, one_line
 
 PLUGIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY = re.compile(r"fairseq-pardec-serve: ready at (http://\S+/)")
-VARIANTS = ("join", "buffer", "hub", "url")
+VARIANTS = ("join", "buffer", "ct2", "hub", "url")
 START_TIMEOUT_S = 600
 
 
@@ -113,6 +115,11 @@ def start(variant, server_args, options, log_dir):
     if variant == "buffer":
         return StartedServer("fairseq_pardec.serve", server_args,
                              ["--batching", "buffer", "--batch-wait-ms", str(options.buffer_ms)],
+                             options.threads, log)
+    if variant == "ct2":
+        return StartedServer("fairseq_pardec.benchmark.ct2_server", server_args,
+                             ["--batch-wait-ms", str(options.buffer_ms),
+                              "--ct2-cache", os.path.join(log_dir, "ct2-cache")],
                              options.threads, log)
     if variant == "hub":
         return StartedServer("fairseq_pardec.benchmark.hub_server", server_args, [],

@@ -22,7 +22,7 @@ class Output:
 
     text: str
     tokens: List[str]
-    score: float
+    score: Optional[float]  # None where the generator gives none (CTranslate2's)
     positional_scores: List[float]
 
 
@@ -138,7 +138,7 @@ class LoadedModel:
         positional = hypothesis.get("positional_scores")
         return Output(
             text=text, tokens=hypo_str.split(),
-            score=float(hypothesis["score"]) / math.log(2),
+            score=None if "score" not in hypothesis else float(hypothesis["score"]) / math.log(2),
             positional_scores=[] if positional is None
             else [round(float(x) / math.log(2), 4) for x in positional],
         )

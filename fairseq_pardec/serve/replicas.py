@@ -10,10 +10,12 @@ Not ``@serve.batch``: it would gather requests in front of a batcher that batche
 from typing import List
 
 
-def ray_app(argv: List[str], replicas: int = 2, max_ongoing_requests: int = None):
+def ray_app(argv: List[str], replicas: int = 2, max_ongoing_requests: int = None,
+            num_cpus: float = None):
     """A Ray Serve application of ``replicas`` replicas of ``fairseq-pardec-serve argv``
-    (``serve.run`` it). Each replica loads the model from the same paths: on several machines,
-    give paths every node can read."""
+    (``serve.run`` it), each given ``num_cpus`` of Ray's CPUs (Ray's default otherwise). Each
+    replica loads the model from the same paths: on several machines, give paths every node
+    can read."""
     from ray import serve
 
     from fairseq_pardec.serve.options import parse_args
@@ -28,6 +30,7 @@ def ray_app(argv: List[str], replicas: int = 2, max_ongoing_requests: int = None
 
         return build_app(build_service(parse_args(argv)))
 
+    actor = {} if num_cpus is None else {"ray_actor_options": {"num_cpus": num_cpus}}
     deployment = serve.deployment(serve.ingress(build)(), name="fairseq_pardec",
-                                  num_replicas=replicas, max_ongoing_requests=ongoing)
+                                  num_replicas=replicas, max_ongoing_requests=ongoing, **actor)
     return deployment.bind()
