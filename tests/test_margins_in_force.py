@@ -5,8 +5,8 @@
   no teacher-forced pass where its margin would not be below the step's;
 * a step that strays three times its declared floor: with the margin measured on the model the
   outputs are fairseq greedy's, where the floor alone lets crafted near-ties go the other way;
-* the measurement is made once per model, step kind, device and dtype, and again after the
-  weights change;
+* the measurement is made on a model's first batches until enough rows are measured, once per
+  model, step kind, device and dtype, and again after the weights change;
 * at transformer_wmt_en_de and transformer_vaswani_wmt_en_de_big widths (random weights,
   embeddings scaled to a trained model's logit range): the spread on other sentences than the
   measured ones stays under a tenth of the margin in force, and the outputs equal fairseq
@@ -101,25 +101,27 @@ def test_a_step_straying_beyond_its_floor_is_measured_and_guarded(kind):
     assert floor_only != expected
 
 
-def test_measured_once_per_model_and_again_after_a_change(monkeypatch):
+def test_measured_until_enough_rows_then_kept_until_the_weights_change(monkeypatch):
+    """Batches of 2 rows: the first ROWS / 2 batches are measured (across the generators built
+    on the model), later ones not, until a weight changes."""
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=3)
     sample = random_batch(d, [6, 4], seed=1)
     calls = []
     measure = rounding_spread.measure
     monkeypatch.setattr(rounding_spread, "measure",
-                        lambda *a, **k: calls.append(1) or measure(*a, **k))
-    for _ in range(2):  # two generators on one model: one measurement
+                        lambda *a, **k: calls.append(len(a[3])) or measure(*a, **k))
+    for _ in range(2):  # two generators on one model share the measurement
         generator = DraftVerifyGenerator([model], d, CopyDrafter(d, d), ExactAcceptance(),
                                          **LIMITS)
-        generator.generate([model], sample)
-        generator.generate([model], sample)
-    assert len(calls) == 1
+        for _ in range(calibration.ROWS // 2 + 1):
+            generator.generate([model], sample)
+    assert calls == [2] * (calibration.ROWS // 2)
     assert generator.stats.margins.startswith("margin ")
     with torch.no_grad():
         model.decoder.layers[0].fc1.weight.mul_(1.01)
     generator.generate([model], sample)
-    assert len(calls) == 2
+    assert len(calls) == calibration.ROWS // 2 + 1
 
 
 SIZES = {
@@ -150,14 +152,14 @@ def test_real_sizes_stay_within_the_margin_in_force(size):
     torch.set_num_threads(2)
     d = make_dictionary(1000)
     model = sized_model(size, d)
-    measured = random_batch(d, [12, 9, 15, 7], seed=5)
+    measured = random_batch(d, [12, 9, 15, 7, 11, 13, 8, 10], seed=5)  # ROWS rows
     generator = DraftVerifyGenerator([model], d, CopyDrafter(d, d), ExactAcceptance(),
                                      max_len_a=1.0, max_len_b=5)
     got = generator.generate([model], measured)
     assert by_id(measured, got) == by_id(measured, fairseq_greedy(
         model, d, measured, max_len_a=1.0, max_len_b=5))
-    in_force = model._pardec_margins
-    (_, margins), = in_force.values()
+    (measured,) = model._pardec_margins.values()
+    margins = measured.in_force
     # other sentences than the measured ones, every way the engine computes a log-probability
     others = rounding_spread.single_rows(random_batch(d, [10, 14, 8], seed=9)["net_input"],
                                          d.pad(), 3)  # 36 positions
