@@ -283,6 +283,8 @@ def main(argv=None):
     if options.greedy:
         with open(options.greedy, encoding="utf-8") as f:
             greedy = [line.rstrip("\n") for line in f][:len(texts)]
+        # texts past the file's end are answered and timed, and counted as not compared
+        greedy += [None] * (len(texts) - len(greedy))
     else:
         greedy = greedy_outputs(texts, server_args, options.threads)
     os.makedirs(options.out_dir, exist_ok=True)
