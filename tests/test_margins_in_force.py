@@ -46,13 +46,13 @@ def test_the_rule():
     assert margins_in_force(2.5e-4, None, 1e-5, None, 10).teacher_forced is None
 
 
-def twin_model(seed):
+def twin_model(seed, **sizes):
     """A tiny transformer whose every other token has a twin GAP below it (as
     test_step_margins.near_tie_model, without rounding the logits: rounded logits jump by a
     sixteenth where two kernels round a feature apart, which the measurement would rightly
     see)."""
     d = make_dictionary(40)
-    model = tiny_transformer(make_task(d), seed=seed)
+    model = tiny_transformer(make_task(d), seed=seed, **sizes)
     project = model.decoder.output_layer
     first = torch.arange(d.nspecial, len(d) - 1, 2)
 
@@ -77,9 +77,11 @@ def stray(step, twins, amount):
     step.log_probs = strayed
 
 
-@pytest.mark.parametrize("kind", ["fast", "lean"])
-def test_a_step_straying_beyond_its_floor_is_measured_and_guarded(kind):
-    model, d, twins = twin_model(seed=11)
+@pytest.mark.parametrize("kind,size", [("fast", "tiny"), ("lean", "tiny"), ("fast", "base")])
+def test_a_step_straying_beyond_its_floor_is_measured_and_guarded(kind, size):
+    """Near-ties everywhere (every other token a twin 2**-14 below its first), and a step
+    straying 1.5e-3 towards each twin: three times the floor."""
+    model, d, twins = twin_model(seed=11, **SIZES.get(size, {}))
     sample = random_batch(d, [5, 9, 3, 7], seed=4)
     expected = by_id(sample, fairseq_greedy(model, d, sample, **LIMITS))
     amount = 3 * CPU_FP32_MARGIN  # a lead of 1.5e-3 - 6e-5: certain at the floor
