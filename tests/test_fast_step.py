@@ -152,7 +152,13 @@ def test_lead_is_certain():
     top = lprobs.topk(2, dim=-1).values.tolist()
     assert [lead_is_certain(a, b, 0.0, margin=1e-4) for a, b in top] == [True, False, True]
     # a large cumulative score widens the slack by the rounding of adding it
-    assert not lead_is_certain(top[0][0], top[0][1], -1e8, margin=1e-4)
+    assert not lead_is_certain(top[0][0], top[0][1], 1e8, margin=1e-4)
+    # the rounding counts both candidates' sizes and the margin (about 4.8e-6 here), not the
+    # best one's alone (6e-8)
+    first, second = -0.5, -40.0
+    lead = first - second
+    assert lead_is_certain(first, second, 0.0, margin=(lead - 1e-5) / 2)
+    assert not lead_is_certain(first, second, 0.0, margin=(lead - 1e-6) / 2)
 
 
 def _iad(model, d, **kwargs):

@@ -191,13 +191,14 @@ def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], 
         else:
             first, second = top[at]
             token, lp = beam_one(lprobs, at, int(best[at]), first, second, score)
-            close = margin is not None and not lead_is_certain(first, second, score, margin)
+            # fairseq's score of the decided tokens differs from the step's by at most a
+            # margin a token
+            bound = None if margin is None else abs(float(score)) + (n_out + j + 1) * margin
+            close = margin is not None and not lead_is_certain(first, second, bound, margin)
             if close:
-                # fairseq's own arithmetic decides; the row's acceptance ends here. Its score
-                # of the decided tokens differs from the step's by at most a margin a token
+                # fairseq's own arithmetic decides; the row's acceptance ends here
                 before = torch.cat([batch.tokens[r, 1: n_out + 1],
                                     torch.tensor(draft[:j], dtype=torch.long)])
-                bound = abs(float(score)) + (n_out + j + 1) * margin
                 with batch.guard_timer:
                     token = fairseq_decision(
                         generator, sample["net_input"]["src_tokens"][batch.rows_host[r]],

@@ -35,11 +35,22 @@ from fairseq_pardec.decoding.step.margins import MarginsInForce
 _ADD_ROUNDING = 2.0 ** -23
 
 
-def lead_is_certain(first: float, second: float, score: float, margin: float) -> bool:
-    """Whether fairseq's search surely takes the step's best candidate: its log-probability
-    ``first`` leads the runner-up's ``second`` by more than rounding within ``margin`` and the
-    addition of the hypothesis score ``score`` can close."""
-    return first - second > 2 * margin + _ADD_ROUNDING * (abs(float(score)) + abs(first))
+def lead_is_certain(first: float, second: float, score_bound: float, margin: float) -> bool:
+    """Whether fairseq's beam-1 search surely takes the best candidate of log-probabilities
+    computed within ``margin`` of fairseq's: ``first`` leads the runner-up's ``second`` by more
+    than the two margins and the rounding of adding fairseq's hypothesis score, of size at most
+    ``score_bound``, to each. The one test of certainty; native_decide.c's lead_is_certain is
+    the same formula.
+
+    fairseq compares fl(S + f1) with fl(S + f2) for its own f1 >= first - margin and
+    f2 <= second + margin; each sum rounds by at most u |S + f| (u = 2**-24), so the order is
+    surely f1's where f1 - f2 exceeds u (2 |S| + |f1| + |f2|), which
+    ``_ADD_ROUNDING * (score_bound + margin + (|first| + |second|) / 2)`` bounds. A runner-up
+    of -inf (one candidate left) never ties."""
+    if second == -math.inf:
+        return True
+    rounding = _ADD_ROUNDING * (score_bound + margin + (abs(first) + abs(second)) / 2)
+    return first - second > 2 * margin + rounding
 
 
 class RowReplay:
@@ -176,7 +187,7 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
         rough = log_probs(torch.cat(prefix)).gather(1, tokens_after).sum().abs().item()
         score_bound = rough + 1e-3 * (steps + 1)
     top = lprobs.topk(2, dim=-1).values[0].tolist()
-    if top[0] - top[1] > 2 * _ADD_ROUNDING * (score_bound + abs(top[0]) + abs(top[1])):
+    if lead_is_certain(top[0], top[1], score_bound, 0.0):  # fairseq's own log-probs
         return int(lprobs.argmax(dim=-1)[0])
     if not prefix:  # the prefix's features are needed after all
         if steps_run is None:  # the lean step's replay, again with them
@@ -229,10 +240,8 @@ def _teacher_forced_choice(decoder, encoder_out, tokens: List[int], decision_log
         return 0
     values, indices = lprobs.topk(2, dim=-1)
     first, second = values[0].tolist()
-    # fairseq's log-probs are each within the margin of these; adding its score of size at
-    # most ``score_bound`` rounds each sum by at most half a unit in its last place
-    rounding = _ADD_ROUNDING * (score_bound + margin + (abs(first) + abs(second)) / 2)
-    if first - second > 2 * margin + rounding:
+    # fairseq's log-probs are each within the pass's margin of these
+    if lead_is_certain(first, second, score_bound, margin):
         return int(indices[0, 0])
     return None
 

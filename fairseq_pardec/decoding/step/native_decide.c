@@ -55,9 +55,12 @@ enum {
 
 #define AT(type, slot) ((type *)(intptr_t)args[slot])
 
-static int lead_is_certain(float first, float second, float score, double margin) {
-    return (double)first - (double)second >
-           2 * margin + ADD_ROUNDING * (fabs((double)score) + fabs((double)first));
+/* margin_guard.lead_is_certain, the same formula (its docstring derives it): ``score_bound``
+ * bounds |fairseq's hypothesis score| (the row's score plus a margin a decided token). */
+static int lead_is_certain(double first, double second, double score_bound, double margin) {
+    if (isinf(second) && second < 0) return 1;
+    const double rounding = ADD_ROUNDING * (score_bound + margin + (fabs(first) + fabs(second)) / 2);
+    return first - second > 2 * margin + rounding;
 }
 
 int pardec_decide_slots(void) { return SLOTS; }
@@ -87,7 +90,9 @@ int64_t pardec_decide_rows(int64_t *args, double margin) {
             const float first = top[2 * at], second = top[2 * at + 1];
             /* float + float: rounded to float32, as fairseq's running score is */
             const float ahead = first + score, behind = second + score;
-            if (!(ahead > behind) || (guard && !lead_is_certain(first, second, score, margin))) {
+            const double score_bound = fabs((double)score) + (double)(start + j + 1) * margin;
+            if (!(ahead > behind) ||
+                (guard && !lead_is_certain(first, second, score_bound, margin))) {
                 left = 1;
                 break;
             }
