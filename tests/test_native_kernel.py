@@ -3,6 +3,7 @@ run time only as a fallback (cached in $XDG_CACHE_HOME under a lock, keyed by wh
 targets, old builds pruned), torch's OpenMP runtime and no other, threads starting together
 all getting the kernel, and the library kernels (never an error) where none can run."""
 
+import ctypes
 import os
 import shutil
 import stat
@@ -387,3 +388,18 @@ def test_best_two_makes_fairseqs_token_edits(unk_penalty):
     top = expected.topk(2, dim=-1)
     assert values.tolist() == top.values.tolist()
     assert best.tolist() == expected.argmax(-1).tolist()
+
+
+def test_an_argument_table_in_another_order_is_refused(monkeypatch):
+    """native_decide.c names its decision table's slots; a table native.py keeps in another
+    order, of the same length, is refused when the library is loaded, not misread."""
+    _needs_installed()
+    kernel = native.native_kernel()
+    assert kernel is not None, native.native_unavailable_reason()
+    groups = [list(group) for group in native.DECIDE_NAMES]
+    groups[0][0], groups[0][1] = groups[0][1], groups[0][0]  # TOP and BEST swapped
+    monkeypatch.setattr(native, "DECIDE_NAMES", tuple(tuple(g) for g in groups))
+    library = ctypes.CDLL(str(kernel.path))
+    with pytest.raises(RuntimeError, match="disagree on the argument table"):
+        native.NativeKernel(library, kernel.path, kernel.installed, kernel.openmp,
+                            kernel.build_id)

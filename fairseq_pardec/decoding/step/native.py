@@ -68,12 +68,30 @@ OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 # per-layer cache pointers; their sizes, as the library reports them
 LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE = 16, 18, 4
 LAYERS_ABI = LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
-# pardec_decide_rows's argument table (native_decide.c's enum, in its order): its size, and the
-# slots each party fills: per iteration TOP .. LENGTHS, the symbol EOS, per batch the host's
-# tables PREV_SCORE .. SCORES_STRIDE, per row count the outcome GAINED .. LEFT, and LONGEST
-DECIDE_SLOTS = 21
-DECIDE_ITERATION, DECIDE_EOS, DECIDE_TABLES = slice(0, 7), 7, slice(8, 15)
-DECIDE_OUTCOME, DECIDE_LONGEST = slice(15, 20), 20
+# pardec_decide_rows's argument table (native_decide.c's DECIDE_SLOTS, in its order), by the
+# party that fills each part: per iteration the reading and the block, the symbol EOS, per batch
+# the host's tables, per row count the outcome, and LONGEST. The library's own names are checked
+# against these when it is loaded, so a slot moved on one side only is refused, not misread.
+DECIDE_NAMES = (
+    ("TOP", "BEST", "ROWS", "WIDTH", "POS", "BLOCK", "LENGTHS"),
+    ("EOS",),
+    ("PREV_SCORE", "N_OUT", "LAST", "TOKENS", "TOKENS_STRIDE", "SCORES", "SCORES_STRIDE"),
+    ("GAINED", "ACCEPTED", "ENDED", "LAST_POS", "LEFT"),
+    ("LONGEST",),
+)
+
+
+def _parts(groups):
+    """Each group's slice (a single slot's index) in the table."""
+    out, at = [], 0
+    for group in groups:
+        out.append(at if len(group) == 1 else slice(at, at + len(group)))
+        at += len(group)
+    return out
+
+
+DECIDE_SLOTS = sum(len(group) for group in DECIDE_NAMES)
+DECIDE_ITERATION, DECIDE_EOS, DECIDE_TABLES, DECIDE_OUTCOME, DECIDE_LONGEST = _parts(DECIDE_NAMES)
 
 _kernel = None
 _reason: Optional[str] = None
@@ -120,9 +138,11 @@ class NativeKernel:
         self.decide_rows = library.pardec_decide_rows
         self.decide_rows.restype = ctypes.c_int64
         self.decide_rows.argtypes = [ctypes.c_void_p, ctypes.c_double]
-        library.pardec_decide_slots.restype = ctypes.c_int
-        if library.pardec_decide_slots() != DECIDE_SLOTS:
-            raise RuntimeError("native_decide.c and native.py disagree on the argument table")
+        library.pardec_decide_slot_names.restype = ctypes.c_char_p
+        names = tuple(library.pardec_decide_slot_names().decode().split())
+        if names != tuple(name for group in DECIDE_NAMES for name in group):
+            raise RuntimeError("native_decide.c and native.py disagree on the argument table: "
+                               "%s" % " ".join(names))
         self.embed_block = library.pardec_embed_block
         self.embed_block.restype = ctypes.c_int
         self.embed_block.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [

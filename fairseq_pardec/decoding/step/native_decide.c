@@ -25,33 +25,39 @@
  * is exact, so a fused multiply-add rounds the guard's bound as Python's two operations do. */
 #define ADD_ROUNDING 0x1p-23
 
-/* The argument table's slots (decisions.py, NativeDecisions fills it). Pointers as int64. */
-enum {
-    TOP,         /* (N, 2) float32: best and second log-probability per packed position */
-    BEST,        /* (N,) int64: the first token holding the best */
-    ROWS,        /* active rows */
-    WIDTH,       /* draft width of the block: positions per row are WIDTH + 1 */
-    POS,         /* (ROWS, WIDTH + 1) int64: packed position of each row's block position; NULL
-                    for a dense block (every row drafts WIDTH tokens): position j of row r is
-                    packed at j * ROWS + r */
-    BLOCK,       /* (ROWS, WIDTH + 1) int64: each row's last token, then its draft, padded */
-    LENGTHS,     /* (ROWS,) int64: each row's draft length; NULL: WIDTH for every row */
-    EOS,         /* the end-of-sentence token */
-    PREV_SCORE,  /* (ROWS,) float32 in/out: the running score of each row's last token */
-    N_OUT,       /* (ROWS,) int64 in/out: tokens accepted so far */
-    LAST,        /* (ROWS,) int64 in/out: each row's last accepted token */
-    TOKENS,      /* (ROWS, TOKENS_STRIDE) int64: BOS, then the accepted tokens */
-    TOKENS_STRIDE,
-    SCORES,      /* (ROWS, SCORES_STRIDE) float32: the running scores */
-    SCORES_STRIDE,
-    GAINED,      /* (ROWS,) int64 out: tokens the row keeps in this iteration */
-    ACCEPTED,    /* (ROWS,) int64 out: draft tokens among them */
-    ENDED,       /* (ROWS,) uint8 out: whether the last is EOS */
-    LAST_POS,    /* (ROWS,) int64 out: the packed position of the last kept token */
-    LEFT,        /* (ROWS,) uint8 out: 1 where the row is left to the caller */
-    LONGEST,     /* in/out: the most tokens any row has accepted (rows decided here) */
-    SLOTS
-};
+/* The argument table's slots (decisions.py, NativeDecisions fills it), in order. Pointers as
+ * int64. Written once: the enum and the names native.py checks its own table against
+ * (pardec_decide_slot_names) both come from this list.
+ *   TOP          (N, 2) float32: best and second log-probability per packed position
+ *   BEST         (N,) int64: the first token holding the best
+ *   ROWS         active rows
+ *   WIDTH        draft width of the block: positions per row are WIDTH + 1
+ *   POS          (ROWS, WIDTH + 1) int64: packed position of each row's block position; NULL
+ *                for a dense block (every row drafts WIDTH tokens): position j of row r is
+ *                packed at j * ROWS + r
+ *   BLOCK        (ROWS, WIDTH + 1) int64: each row's last token, then its draft, padded
+ *   LENGTHS      (ROWS,) int64: each row's draft length; NULL: WIDTH for every row
+ *   EOS          the end-of-sentence token
+ *   PREV_SCORE   (ROWS,) float32 in/out: the running score of each row's last token
+ *   N_OUT        (ROWS,) int64 in/out: tokens accepted so far
+ *   LAST         (ROWS,) int64 in/out: each row's last accepted token
+ *   TOKENS       (ROWS, TOKENS_STRIDE) int64: BOS, then the accepted tokens
+ *   SCORES       (ROWS, SCORES_STRIDE) float32: the running scores
+ *   GAINED       (ROWS,) int64 out: tokens the row keeps in this iteration
+ *   ACCEPTED     (ROWS,) int64 out: draft tokens among them
+ *   ENDED        (ROWS,) uint8 out: whether the last is EOS
+ *   LAST_POS     (ROWS,) int64 out: the packed position of the last kept token
+ *   LEFT         (ROWS,) uint8 out: 1 where the row is left to the caller
+ *   LONGEST      in/out: the most tokens any row has accepted (rows decided here) */
+#define DECIDE_SLOTS(X) \
+    X(TOP) X(BEST) X(ROWS) X(WIDTH) X(POS) X(BLOCK) X(LENGTHS) X(EOS) \
+    X(PREV_SCORE) X(N_OUT) X(LAST) X(TOKENS) X(TOKENS_STRIDE) X(SCORES) X(SCORES_STRIDE) \
+    X(GAINED) X(ACCEPTED) X(ENDED) X(LAST_POS) X(LEFT) X(LONGEST)
+
+#define AS_ENUM(name) name,
+#define AS_NAME(name) #name " "
+enum { DECIDE_SLOTS(AS_ENUM) SLOTS };
+static const char slot_names[] = DECIDE_SLOTS(AS_NAME);
 
 #define AT(type, slot) ((type *)(intptr_t)args[slot])
 
@@ -63,7 +69,8 @@ static int lead_is_certain(double first, double second, double score_bound, doub
     return first - second > 2 * margin + rounding;
 }
 
-int pardec_decide_slots(void) { return SLOTS; }
+/* The slots' names in their order, separated by spaces: native.py checks them against its own. */
+const char *pardec_decide_slot_names(void) { return slot_names; }
 
 /* Decide every row it can (see above); ``margin`` < 0: no guard. Returns the rows left to the
  * caller, plus 2**32 times the rows decided here that ended (the engine then retires rows
