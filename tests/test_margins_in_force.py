@@ -192,3 +192,19 @@ def test_half_precision_says_it_is_not_guaranteed(caplog):
     lines = [r.getMessage() for r in caplog.records if "not guaranteed identical" in r.getMessage()]
     assert len(lines) == 1 and "bfloat16" in lines[0]
     assert generator.stats.margins == ""
+
+
+def test_a_decoder_the_one_row_steps_do_not_cover_is_measured_against_fairseqs_own():
+    """NormFormer's layers are neither the lean step's nor the one-row steps': the reference is
+    fairseq's incremental decoder itself, the spread that of fairseq's modules run on blocks
+    (small), and no pass is measured (the guard runs none there)."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=5, scale_attn=True)
+    sample = random_batch(d, [6, 9, 4], seed=2)
+    generator = DraftVerifyGenerator([model], d, AlwaysDrafts(len(d), d.pad()),
+                                     ExactAcceptance(), **LIMITS)
+    got = generator.generate([model], sample)
+    assert by_id(sample, got) == by_id(sample, fairseq_greedy(model, d, sample, **LIMITS))
+    (measured,) = model._pardec_margins.values()
+    assert measured.step_spread < 1e-5 and measured.pass_spread is None
+    assert measured.in_force.teacher_forced is None

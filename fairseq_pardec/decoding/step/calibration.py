@@ -23,6 +23,7 @@ import threading
 from typing import Optional
 
 from fairseq_pardec.decoding.step import rounding_spread
+from fairseq_pardec.decoding.step.lean import lean_supported
 from fairseq_pardec.decoding.step.margins import (WIDE_MARGIN_WARNING, MarginsInForce,
                                                   margins_in_force, teacher_forced_margin)
 from fairseq_pardec.decoding.step.weights_key import WeightsKey
@@ -93,6 +94,8 @@ def _measure_more(measured: _Measured, model, step, encode, net_input, bos, eos,
                   tokens):
     weight = model.decoder.embed_tokens.weight
     pass_floor = teacher_forced_margin(weight.device, weight.dtype)
+    if not lean_supported(model.decoder):  # the guard runs no pass on such a decoder
+        pass_floor = None
     ways = ("step", "block") + (("pass",) if pass_floor is not None else ())
     sources = rounding_spread.single_rows(net_input, src_pad, ROWS - measured.rows)
     was_training = model.training

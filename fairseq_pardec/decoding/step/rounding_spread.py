@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
-from fairseq_pardec.decoding.step.one_row_steps import OneRowSteps
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
+from fairseq_pardec.decoding.step.one_row_steps import OneRowSteps, one_row_supported
 
 
 class Spread:
@@ -71,10 +71,18 @@ def fairseq_greedy_path(model, net_input, bos: int, eos: int, pad: int,
     first, the output less its EOS) and the ``(T, V)`` log-probabilities after each, computed
     one token a step in fairseq's arithmetic."""
     encoder_out = model.encoder.forward_torchscript(net_input)
-    steps = OneRowSteps(model.decoder, encoder_out)
+    # the one-row steps compute fairseq's steps with less Python where they cover the decoder;
+    # elsewhere fairseq's incremental decoder itself runs
+    steps = OneRowSteps(model.decoder, encoder_out) if one_row_supported(model.decoder) else None
+    state: dict = {}
     tokens, rows = [bos], []
     while True:
-        lprobs = fairseq_log_probs(model, steps.run(tokens)[-1])
+        if steps is not None:
+            lprobs = fairseq_log_probs(model, steps.run(tokens)[-1])
+        else:
+            prefix = torch.tensor([tokens], device=net_input["src_tokens"].device)
+            logits, _ = model.decoder(prefix, encoder_out=encoder_out, incremental_state=state)
+            lprobs = model.get_normalized_probs((logits[:, -1:, :], None), log_probs=True)[:, -1, :]
         rows.append(lprobs)
         choice = lprobs[0].clone()
         choice[pad] = -float("inf")  # fairseq's greedy never emits padding
@@ -144,6 +152,7 @@ def measure(model, step, encode: Callable, sources: List[dict], bos: int, eos: i
     if paths is None:
         paths = [fairseq_greedy_path(model, s, bos, eos, pad, max_tokens) for s in sources]
     spreads = {way: Spread() for way in ways}
+    # the guard's pass runs the lean step, on the decoders it covers only
     lean = LeanBlockDecoder(model.decoder) if "pass" in ways else None
     for source, (tokens, expected) in zip(sources, paths):
         if "block" in ways or "step, batch 1" in ways:
