@@ -65,7 +65,11 @@ def margins_for(model, step, encode, net_input, bos: int, eos: int, src_pad: int
     decoded)."""
     kept = model.__dict__.setdefault("_pardec_margins", {})
     key = _key(model, step)
-    weights = WeightsKey(model).key()
+    # built once a model: building walks the module tree, a look at it reads each parameter
+    watcher = model.__dict__.get("_pardec_weights_key")
+    if watcher is None:
+        watcher = model.__dict__["_pardec_weights_key"] = WeightsKey(model)
+    weights = watcher.key()
     with _lock:
         measured = kept.get(key)
         if measured is None or measured.weights != weights:
