@@ -214,6 +214,18 @@ def quiet_finalizers():
     sys.unraisablehook = hook
 
 
+def exit_in_one_line(error):
+    """At a command line's boundary: end the process with ``error``'s one line and status 1, or
+    raise it again where it is not a known user error (a bug keeps its traceback). Python prints
+    the line after it has let go of the error, and with it of what the error left half-built
+    (fairseq's reader of an empty split), whose failing ``__del__`` stays quiet."""
+    line = one_line(error)
+    if line is None:
+        raise error
+    quiet_finalizers()
+    raise SystemExit(line) from None
+
+
 def install_cli_boundary():
     """Print known user errors that reach the top of a fairseq CLI as one line (exit status 1),
     and an interruption as one line that says how far the run got.

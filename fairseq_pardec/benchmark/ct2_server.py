@@ -16,7 +16,7 @@ def main(argv=None):
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     from fairseq_pardec.benchmark.ctranslate2_baseline import CTranslate2Generator, convert
-    from fairseq_pardec.errors import one_line
+    from fairseq_pardec.errors import exit_in_one_line
     from fairseq_pardec.serve.__main__ import build_service
     from fairseq_pardec.serve.options import parse_args
     from fairseq_pardec.serve.server import serve
@@ -39,11 +39,7 @@ def main(argv=None):
             max_len_b=args.max_len_b, max_positions=model.models[0].max_decoder_positions())
         serve(service, args.host, args.port, args.drain_timeout, log_level="warning")
     except Exception as error:
-        line = one_line(error)
-        if line is None:
-            raise
-        sys.stderr.write(line + "\n")
-        sys.exit(1)
+        exit_in_one_line(error)
 
 
 if __name__ == "__main__":

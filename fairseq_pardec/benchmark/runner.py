@@ -27,7 +27,7 @@ import torch
 from fairseq_pardec.benchmark.report import markdown, plot
 from fairseq_pardec.benchmark.specs import check_spec
 from fairseq_pardec import errors, failures
-from fairseq_pardec.errors import (PREFIX, UsageError, install_cli_boundary, one_line,
+from fairseq_pardec.errors import (PREFIX, UsageError, install_cli_boundary,
                                    running_a_cli, warn)
 from fairseq_pardec.input_files import require_file
 from fairseq_pardec.output_files import replace_together
@@ -495,14 +495,7 @@ def cli_main(argv=None, make_parser=None, command=None):
     try:
         return (command or main)((make_parser or get_parser)().parse_args(argv))
     except Exception as error:
-        line = one_line(error)
-        if line is None:
-            raise
-        # Python prints the line after it has let go of the error, and with it of what the
-        # error left half-built (fairseq's reader of an empty split): that object's failing
-        # __del__ would print its traceback above the line
-        errors.quiet_finalizers()
-        raise SystemExit(line) from None
+        errors.exit_in_one_line(error)
 
 
 def make_out_dir(path):

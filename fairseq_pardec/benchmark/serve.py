@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from fairseq_pardec.errors import UsageError, one_line
+from fairseq_pardec.errors import UsageError, exit_in_one_line
 
 PLUGIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY = re.compile(r"fairseq-pardec-serve: ready at (http://\S+/)")
@@ -320,11 +320,7 @@ def cli_main():
     try:
         main()
     except Exception as error:
-        line = one_line(error)
-        if line is None:
-            raise
-        sys.stderr.write(line + "\n")
-        sys.exit(1)
+        exit_in_one_line(error)
 
 
 if __name__ == "__main__":

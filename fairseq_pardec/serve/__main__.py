@@ -30,7 +30,7 @@ def cli_main(argv=None):
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S",
                         level=os.environ.get("LOGLEVEL", "INFO").upper(), stream=sys.stderr)
-    from fairseq_pardec.errors import one_line
+    from fairseq_pardec.errors import exit_in_one_line
     from fairseq_pardec.serve.options import parse_args
     from fairseq_pardec.serve.server import serve
 
@@ -39,11 +39,7 @@ def cli_main(argv=None):
         service = build_service(args)
         serve(service, args.host, args.port, args.drain_timeout)
     except Exception as error:  # the command line's boundary: known user errors in one line
-        line = one_line(error)
-        if line is None:
-            raise
-        sys.stderr.write(line + "\n")
-        sys.exit(1)
+        exit_in_one_line(error)
 
 
 if __name__ == "__main__":
