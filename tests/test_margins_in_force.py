@@ -23,7 +23,7 @@ from fairseq_pardec.decoding.step.margins import (CPU_FP32_MARGIN, MEASURED_HEAD
                                                   margins_in_force)
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
-from test_step_margins import GAP, AlwaysDrafts
+from test_step_margins import GAP, AlwaysDrafts, nudge
 
 pytestmark = pytest.mark.full_calibration
 
@@ -65,18 +65,6 @@ def twin_model(seed, **sizes):
     return model, d, first + 1
 
 
-def stray(step, twins, amount):
-    """Make ``step`` prefer each twin by ``amount`` more than fairseq does (every position)."""
-    log_probs = step.log_probs
-
-    def strayed(features, temperature=1.0):
-        lprobs = log_probs(features, temperature)
-        lprobs[..., twins.to(lprobs.device)] += amount
-        return lprobs
-
-    step.log_probs = strayed
-
-
 @pytest.mark.parametrize("kind,size", [("fast", "tiny"), ("lean", "tiny"), ("fast", "base")])
 def test_a_step_straying_beyond_its_floor_is_measured_and_guarded(kind, size):
     """Near-ties everywhere (every other token a twin 2**-14 below its first), and a step
@@ -91,7 +79,7 @@ def test_a_step_straying_beyond_its_floor_is_measured_and_guarded(kind, size):
                                          ExactAcceptance(), **LIMITS, lean=True,
                                          fast=kind == "fast", margin=margin)
         model.__dict__.pop("_pardec_margins", None)
-        stray(generator.block_decoder, twins, amount)
+        nudge(generator.block_decoder, twins, amount)  # strays beyond the floor
         return generator, by_id(sample, generator.generate([model], sample))
 
     generator, got = decoded(None)

@@ -43,14 +43,14 @@ def near_tie_model(seed):
     return model, d, first + 1
 
 
-def nudge(step, twins):
-    """Make ``step`` prefer each twin to its first by NUDGE - GAP: a rounding error within its
-    margin that flips every such choice."""
+def nudge(step, twins, amount=NUDGE):
+    """Make ``step`` prefer each twin to its first by ``amount`` - GAP (by default a rounding
+    error within its margin that flips every such choice)."""
     log_probs = step.log_probs
 
     def nudged(features, temperature=1.0):
         lprobs = log_probs(features, temperature)
-        lprobs[..., twins.to(lprobs.device)] += NUDGE
+        lprobs[..., twins.to(lprobs.device)] += amount
         return lprobs
 
     step.log_probs = nudged
