@@ -105,7 +105,7 @@ def test_minimum_block_keeps_the_longer_of_the_run_and_the_floor():
     top = [[-0.1, -3.0]] * 5
     reading = Reading(np.array(top, dtype=np.float32), np.array(best), None,
                       draft_lp=np.full(5, -1.0, dtype=np.float32), verdict=np.zeros(5))
-    tokens, _, accepted, _, _ = walk_row(generator, batch, block, reading, top, None, None, None, 0)
+    tokens, _, accepted, _, _ = walk_row(generator, batch, block, reading, top, None, None, 0)
     valid = torch.ones(1, 4, dtype=torch.bool)
     expected = int(rule.accept(torch.tensor([draft]), valid, None, torch.tensor([best[:4]]))[0])
     assert accepted == expected == 2
@@ -162,7 +162,7 @@ def test_native_walk_decides_as_python(seed):
         batch = fresh_batch(native)
         block = Block.from_lists(batch, drafts, d.pad())
         reading = Reading(values, best, (values.ctypes.data, best.ctypes.data))
-        outcome = decide(generator, batch, block, reading, lprobs, None, None)
+        outcome = decide(generator, batch, block, reading, lprobs, None)
         kept.append([batch.tokens_np.copy(), batch.scores_np.copy(), batch.n_out_np.copy(),
                      batch.prev_score.copy(), batch.last.copy(), outcome.gained.copy(),
                      outcome.accepted.copy(), outcome.ended.copy(), outcome.last_pos.copy(),

@@ -26,6 +26,49 @@ from fairseq_pardec.decoding.step.native import (DECIDE_EOS, DECIDE_SLOTS, DECID
                                                 native_kernel)
 
 
+def join_encoder_outs(a: dict, rows_a: int, b: dict, rows_b: int) -> dict:
+    """Two batches' encoder outputs (fairseq's dictionary), one batch after the other; the
+    shorter source is padded at its end and marked as padding."""
+    out = {}
+    a_len, b_len = a["encoder_out"][0].size(0), b["encoder_out"][0].size(0)
+    source = max(a_len, b_len)
+
+    def padded(t: Tensor, length: int, dim: int, value=0) -> Tensor:
+        if length == source:
+            return t
+        shape = list(t.shape)
+        shape[dim] = source - length
+        return torch.cat([t, t.new_full(shape, value)], dim=dim)
+
+    for key in a:
+        x, y = a[key], b.get(key, [])
+        if not x or not y:
+            out[key] = []
+        elif key in ("encoder_out", "encoder_states"):  # (S, B, C)
+            out[key] = [torch.cat([padded(p, a_len, 0), padded(q, b_len, 0)], dim=1)
+                        for p, q in zip(x, y)]
+        elif key == "encoder_embedding":  # (B, S, C)
+            out[key] = [torch.cat([padded(x[0], a_len, 1), padded(y[0], b_len, 1)], dim=0)]
+        elif key == "src_lengths":
+            out[key] = [torch.cat([x[0], y[0]], dim=0)]
+        else:  # read by no decoder step (src_tokens, fc_results): left out
+            out[key] = []
+    device = a["encoder_out"][0].device
+
+    def pad_of(encoder_out: dict, rows: int, length: int) -> Tensor:
+        mask = torch.ones(rows, source, dtype=torch.bool, device=device)
+        given = encoder_out.get("encoder_padding_mask") or []
+        mask[:, :length] = given[0] if given else False
+        return mask
+
+    if a_len != b_len or a.get("encoder_padding_mask") or b.get("encoder_padding_mask"):
+        out["encoder_padding_mask"] = [torch.cat([pad_of(a, rows_a, a_len),
+                                                  pad_of(b, rows_b, b_len)], dim=0)]
+    else:
+        out["encoder_padding_mask"] = []
+    return out
+
+
 def to_device(host: Tensor, device) -> Tensor:
     """A device copy of a host tensor, queued without waiting for the device. A new tensor on
     the CPU too: the host's own keeps changing, and the copy must not."""
@@ -38,17 +81,34 @@ class Batch:
 
     def __init__(self, generator, step: DecoderStep, bsz: int,
                  max_len: int, bos: int, prefix: Optional[Tensor], device,
-                 guard: Optional[float] = None, margins=None):
+                 guard: Optional[float] = None, margins=None,
+                 row_max_len: Optional[np.ndarray] = None, sources: Optional[Tensor] = None):
         self.generator = generator
         # the decoder step of this batch, chosen when it started (its cache is this step's)
         self.step = step
         self.device = torch.device(device)
+        # the most tokens a row outputs: one limit for every row (fairseq's, from the batch's
+        # padded source length), or per active row (``row_max_len``, each from its own source
+        # length, as at batch 1: rows that join a running batch); ``max_len`` is then the
+        # largest, the width of the tables
         self.max_len = max_len
+        self.row_max_len = row_max_len
+        self._row_limits = None  # row_max_len as a (B, 1) tensor on the device, when read
+        # row id -> its source tokens (the guard's replays decode the sentence alone)
+        self.sources = sources
+        # row ids of rows that left and whose outputs were taken (``release``): rows that join
+        # take them again
+        self.free_ids: List[int] = []
+        # until which iteration a row may still be below --min-len (each row gains >= 1 token
+        # per iteration from the one it joined at)
+        self.bar_eos_until = generator.min_len
         self.prefix = prefix  # (B, P) forced prefix tokens, pad = not forced; or None
         # the same on the host (read once per batch: rows inside it draft it)
         self.prefix_host = prefix.cpu() if prefix is not None and prefix.size(1) else None
-        self.rows = torch.arange(bsz, device=device)  # active row -> row of the batch
+        self.rows = torch.arange(bsz, device=device)  # active row -> row of the batch (its id)
         self.rows_host = list(range(bsz))
+        # active row -> its row of the encoder's output (``encoder_out``)
+        self.encoder_rows = self.rows
         # the margin guard: its margin (None: no guard), and whether every step so far ran one
         # position per row on a step that then rounds as fairseq does (no guard needed yet)
         self.guard = guard
@@ -116,14 +176,124 @@ class Batch:
         self.longest = int(self.n_out_host.max()) if alive else 0
         if self.prefix_host is not None:
             self.prefix_host = self.prefix_host[alive_host]
+        if self.row_max_len is not None:
+            self.row_max_len, self._row_limits = self.row_max_len[alive], None
         self.schedule.keep(alive_host)
         alive_dev = to_device(alive_host, self.device)
         self.rows = self.rows[alive_dev]
+        self.encoder_rows = self.encoder_rows[alive_dev]
         self.n_out = self.n_out_host if self.shares_lengths else self.n_out[alive_dev]
         if self.prefix is not None:
             self.prefix = self.prefix[alive_dev]
         if alive:
             self.step.reorder(self.cache, alive_dev)
+
+    def absorb(self, other: "Batch") -> List[int]:
+        """The rows of ``other``, a batch just started on the same generator and step (not yet
+        iterated), join this one after its active rows; returns their row ids, at which their
+        outputs will be (``finalized``). Ids freed by ``release`` are taken first. No row
+        already here is copied but where a table grows by the new rows."""
+        if other.step is not self.step or other.device != self.device:
+            raise ValueError("rows join a running batch of the same decoder step and device")
+        if self.prefix is not None or other.prefix is not None:
+            raise ValueError("rows with forced prefixes (--prefix-size) join no running batch")
+        count = len(other.rows_host)
+        reused = self.free_ids[:count]
+        del self.free_ids[:count]
+        fresh = len(self.finalized)
+        ids = reused + list(range(fresh, fresh + count - len(reused)))
+        self.finalized.extend([] for _ in range(count - len(reused)))
+        for row in ids:
+            self.finalized[row] = []
+            self._replays.pop(row, None)
+        # the tables: every row's limit kept, as wide as the longest limit
+        width = max(self.max_len, other.max_len)
+        mine = (self.row_max_len if self.row_max_len is not None
+                else np.full(len(self.rows_host), self.max_len, dtype=np.int64))
+        theirs = (other.row_max_len if other.row_max_len is not None
+                  else np.full(count, other.max_len, dtype=np.int64))
+        self.row_max_len, self._row_limits = np.concatenate([mine, theirs]), None
+
+        def wider(t: Tensor, columns: int, value) -> Tensor:
+            if t.size(1) == columns:
+                return t
+            return torch.cat([t, t.new_full((t.size(0), columns - t.size(1)), value)], dim=1)
+
+        pad = self.generator.pad
+        self.tokens = torch.cat([wider(self.tokens, width + 2, pad),
+                                 wider(other.tokens, width + 2, pad)])
+        self.cum_scores = torch.cat([wider(self.cum_scores, width + 1, 0.0),
+                                     wider(other.cum_scores, width + 1, 0.0)])
+        self.max_len = width
+        self.n_out_host = torch.cat([self.n_out_host, other.n_out_host])
+        self.last = np.concatenate([self.last, other.last])
+        self.prev_score = np.concatenate([self.prev_score, other.prev_score])
+        self.views()
+        self.n_out = (self.n_out_host if self.shares_lengths
+                      else to_device(self.n_out_host, self.device))
+        self.rows_host = self.rows_host + ids
+        self.rows = torch.cat([self.rows, to_device(torch.tensor(ids), self.device)])
+        if not isinstance(self.sources, list):
+            self.sources = list(self.sources)
+        for row, source in zip(ids, other.sources):
+            if row < len(self.sources):
+                self.sources[row] = source
+            else:
+                self.sources.append(source)
+        # the encoder's output of the active rows, then theirs; the cache projects theirs
+        joined = join_encoder_outs(self.encoder_out, len(self.rows_host) - count,
+                                   other.encoder_out, count)
+        self.encoder_rows = torch.arange(len(self.rows_host), device=self.device)
+        self._encoder_out_all = joined
+        self._encoder_out = (self.encoder_rows, joined)
+        if not self.step.reads_encoder_out(self.cache):  # started: the new rows join it
+            self.step.join_rows(self.cache, other.encoder_out, count)
+            # their entries before their first are holes, which fairseq's steps never have
+            self.exact_so_far = False
+        else:
+            self.exact_so_far = self.exact_so_far and other.exact_so_far
+        # the margins in force grow while the model's first rows are measured
+        # (step/calibration.py): the later batch's apply to every row from now on
+        if other.guard is not None and self.guard is not None and other.guard > self.guard:
+            self.guard, self.margins = other.guard, other.margins
+        self.schedule.absorb(other.schedule, ids)
+        self.drafts.absorb(other.drafts, ids)
+        self.bar_eos_until = max(self.bar_eos_until, self.iteration + self.generator.min_len)
+        return ids
+
+    def release(self, ids: List[int]):
+        """The outputs of rows ``ids`` (which left) were taken: rows joining later take the
+        ids again."""
+        for row in ids:
+            self.finalized[row] = []
+        self.free_ids.extend(ids)
+
+    def row_limits(self):
+        """Each active row's length limit as fairseq's edits read it: the batch's one limit,
+        or a (B, 1) tensor of the rows' own on the device."""
+        if self.row_max_len is None:
+            return self.max_len
+        if self._row_limits is None:
+            self._row_limits = to_device(torch.from_numpy(self.row_max_len).view(-1, 1),
+                                         self.device)
+        return self._row_limits
+
+    def room(self) -> List[int]:
+        """Each active row's room before EOS is forced."""
+        if self.row_max_len is None:
+            max_len = self.max_len
+            return [max_len - n for n in self.n_out_np.tolist()]
+        return (self.row_max_len - self.n_out_np).tolist()
+
+    def reaches_limit(self, width: int) -> bool:
+        """Whether some row's block of ``width`` drafts may reach its length limit."""
+        if self.row_max_len is None:
+            return self.longest + width >= self.max_len
+        return bool((self.n_out_np + width >= self.row_max_len).any())
+
+    def source(self, r: int) -> Tensor:
+        """Active row ``r``'s source tokens."""
+        return self.sources[self.rows_host[r]]
 
     def row_replay(self, r: int) -> RowReplay:
         """Active row ``r``'s replay state, kept for its later close calls until it leaves."""
@@ -229,16 +399,16 @@ class Batch:
         """The encoder's output for the batch's rows; for the active rows it is reordered when
         read (``encoder_out``): the fast step reads it once, when the batch starts."""
         self._encoder_out_all = encoder_out
-        self._encoder_out = (self.rows, encoder_out)
+        self._encoder_out = (self.encoder_rows, encoder_out)
 
     @property
     def encoder_out(self):
         """The encoder's output for the active rows."""
         rows, encoder_out = self._encoder_out
-        if rows is not self.rows:
+        if rows is not self.encoder_rows:
             encoder_out = self.generator.model.encoder.reorder_encoder_out(
-                self._encoder_out_all, self.rows)
-            self._encoder_out = (self.rows, encoder_out)
+                self._encoder_out_all, self.encoder_rows)
+            self._encoder_out = (self.encoder_rows, encoder_out)
         return encoder_out
 
 

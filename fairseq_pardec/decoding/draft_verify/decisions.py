@@ -119,7 +119,7 @@ def _forced_tokens(batch, r: int, n_out: int, length: int):
     return forced
 
 
-def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
+def decide(generator, batch, block, reading: Reading, lprobs: Tensor,
            bos_token) -> Outcome:
     """Step 3 of an iteration (engine.py) for every active row, on the host: each row's new
     tokens and scores written into the batch's tables, and what it kept, returned.
@@ -148,7 +148,7 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor, sample,
     top = reading.top.tolist()
     for r in rows:
         keep_row(batch, outcome, r, *walk_row(generator, batch, block, reading, top, lprobs,
-                                               sample, bos_token, r))
+                                               bos_token, r))
     return outcome
 
 
@@ -169,7 +169,7 @@ def keep_row(batch, outcome: Outcome, r: int, tokens: List[int], scores: List[fl
 
 
 def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], lprobs: Tensor,
-             sample, bos_token, r: int):
+             bos_token, r: int):
     """Python's walk along row ``r``'s block (``top``: ``reading.top`` as lists): its new
     tokens, their running scores, the draft tokens accepted, the packed position of the last
     kept token and the last score as a float32."""
@@ -201,7 +201,7 @@ def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], 
                                     torch.tensor(draft[:j], dtype=torch.long)])
                 with batch.guard_timer:
                     token = fairseq_decision(
-                        generator, sample["net_input"]["src_tokens"][batch.rows_host[r]],
+                        generator, batch.source(r),
                         before, bos_token, score_bound=bound, resume=batch.row_replay(r),
                         margins=batch.margins)
                 lp = float(lprobs[at, token])

@@ -200,20 +200,53 @@ class DraftVerifyGenerator(StatsGenerator):
     def _generate(self, sample, prefix_tokens=None, bos_token=None, **unused):
         batch = self._start(sample, prefix_tokens, bos_token)
         while batch.rows_host:
-            block = self._draft(batch)
-            features, lprobs, forced, native = self._verify(batch, block)
-            # 3. what each row keeps: decided on the host from one read of the device
-            if self.sampler is not None:
-                n_acc, grid = self.sampler.decide(lprobs, forced, block)
-                outcome = sampled(self, batch, block, lprobs, n_acc, grid)
-            else:
-                reading = read_positions(self, batch, block, lprobs, forced, native)
-                outcome = decide(self, batch, block, reading, lprobs, sample, bos_token)
-            self._commit(batch, block, features, outcome)
-            self._retire(batch, outcome)
+            self.iterate(batch)
         return batch.finalized
 
-    def _start(self, sample, prefix_tokens, bos_token) -> Batch:
+    @torch.no_grad()
+    def iterate(self, batch: Batch) -> List[int]:
+        """One iteration of every active row: draft, verify, decide, commit; returns the ids
+        of the rows that finished (their hypotheses are in ``batch.finalized``) and left."""
+        block = self._draft(batch)
+        features, lprobs, forced, native = self._verify(batch, block)
+        # 3. what each row keeps: decided on the host from one read of the device
+        if self.sampler is not None:
+            n_acc, grid = self.sampler.decide(lprobs, forced, block)
+            outcome = sampled(self, batch, block, lprobs, n_acc, grid)
+        else:
+            reading = read_positions(self, batch, block, lprobs, forced, native)
+            outcome = decide(self, batch, block, reading, lprobs, batch.bos_token)
+        self._commit(batch, block, features, outcome)
+        return self._retire(batch, outcome)
+
+    # ------------------------------------------------------------------ a running batch
+    def joins_rows(self) -> bool:
+        """Whether rows may join a running batch of this generator's (``open`` and ``join``):
+        its decoder step and its drafter keep their state per row."""
+        return self.block_decoder.joins_rows and self.drafter.joins_rows
+
+    @torch.no_grad()
+    def open(self, sample) -> Batch:
+        """A running batch of ``sample``'s rows, each with its own length limit (from its own
+        source length, as ``--batch-size 1`` has it): rows may join it between iterations
+        (``join``), and each row's output is the one it has decoded alone. Advance it with
+        ``iterate``; its ids are the rows of ``sample`` and then those ``join`` returns."""
+        if not self.joins_rows():
+            raise UsageError("rows cannot join a running batch of --generator %s on the %s "
+                             "decoder step" % (getattr(self, "name", type(self).__name__),
+                                               type(self.block_decoder).__name__))
+        return self._start(sample, None, None, per_row_limits=True)
+
+    @torch.no_grad()
+    def join(self, batch: Batch, sample) -> List[int]:
+        """``sample``'s rows join the running ``batch`` (``open``) before its next iteration:
+        their encoder runs once and their drafter state starts; returns their row ids."""
+        joining = self._start(sample, None, batch.bos_token, per_row_limits=True,
+                              step_and_encoder=(batch.step, self._step_and_encoder()[1]))
+        return batch.absorb(joining)
+
+    def _start(self, sample, prefix_tokens, bos_token, per_row_limits: bool = False,
+               step_and_encoder=None) -> Batch:
         """Encode the batch, start the drafter, and set up the state of every row."""
         self.model.decoder.set_beam_size(1)  # undo a beam generator built earlier on this model
         net_input = sample["net_input"]
@@ -221,13 +254,22 @@ class DraftVerifyGenerator(StatsGenerator):
         bsz, src_len = src_tokens.size()[:2]
         device = src_tokens.device
         max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        row_max_len = None
+        if per_row_limits:  # each row's from its own source length
+            lengths = net_input["src_lengths"].view(-1).cpu().numpy().astype(np.float64)
+            row_max_len = np.minimum((self.max_len_a * lengths + self.max_len_b).astype(np.int64),
+                                     self.max_len - 1)
+            if self.min_len > int(row_max_len.min()):
+                max_len = int(row_max_len.min())  # refused below, as fairseq refuses it
+            else:
+                max_len = int(row_max_len.max())
         if self.min_len > max_len:
             raise UsageError("the length limit (--max-len-a %g x source length %d + --max-len-b %d, "
                              "at most the model's %d) is below --min-len %d; raise --max-len-b"
                              % (self.max_len_a, src_len, self.max_len_b, self.max_len - 1,
                                 self.min_len))
         # chosen per batch: the model's device and dtype may have changed since the last one
-        step, encode = self._step_and_encoder()
+        step, encode = step_and_encoder or self._step_and_encoder()
         guard = self._guard_margin(step)
         bos = self.eos if bos_token is None else bos_token
         margins = None
@@ -242,7 +284,9 @@ class DraftVerifyGenerator(StatsGenerator):
                                                   self.eos, self.src_pad, self.pad, max_len)
                 guard = margins.step
                 self.stats.margins = margins.describe()
-        batch = Batch(self, step, bsz, max_len, bos, prefix_tokens, device, guard, margins)
+        batch = Batch(self, step, bsz, max_len, bos, prefix_tokens, device, guard, margins,
+                      row_max_len=row_max_len, sources=src_tokens)
+        batch.bos_token = bos_token
         with batch.encoder_timer:
             batch.set_encoder_out(encode(net_input))
         with batch.drafter_timer:
@@ -260,8 +304,7 @@ class DraftVerifyGenerator(StatsGenerator):
                                                                  batch.iteration):
                 return Block.last_tokens(batch, self.pad, proposed=False)
         # the room before EOS is forced, less what the back-off withholds
-        max_len = batch.max_len
-        room = schedule.room([max_len - n for n in batch.n_out_np.tolist()], batch.iteration)
+        room = schedule.room(batch.room(), batch.iteration)
         with batch.drafter_timer:
             drafts = self._propose(batch, room)
         q = state.draft_probs if self.sampler is not None else None
@@ -305,8 +348,6 @@ class DraftVerifyGenerator(StatsGenerator):
         self.stats.decoder_calls += 1
         self.stats.row_iterations += block.rows
         self.stats.positions_verified += lprobs.size(0)
-        # the longest row's last block position is the furthest step: no read of the device
-        furthest = batch.longest + block.width
         prefix = batch.forcing_prefix()
         # on the CPU the native read of the best two makes fairseq's token edits in its pass
         # (decisions.read_positions), where nothing else reads the log-probabilities first
@@ -315,12 +356,13 @@ class DraftVerifyGenerator(StatsGenerator):
                 and lprobs.is_contiguous()
                 and (self.acceptance.lossless or block.width == 0)):
             native = step.scores_kernel()
-        bar_eos_possible = batch.iteration < self.min_len
-        at_max_possible = furthest >= batch.max_len
+        bar_eos_possible = batch.iteration < batch.bar_eos_until
+        # known on the host, with no read of the device
+        at_max_possible = batch.reaches_limit(block.width)
         forced = None
         if native is None or bar_eos_possible or at_max_possible:  # else nothing to edit here
             forced = block_edits(lprobs, lambda: batch.n_out.unsqueeze(1) + block.cols,
-                                 block.layout, self.rules, batch.max_len, prefix,
+                                 block.layout, self.rules, batch.row_limits(), prefix,
                                  bar_eos_possible=bar_eos_possible,
                                  at_max_possible=at_max_possible, token_edits=native is None)
         batch.iteration += 1
@@ -368,18 +410,35 @@ class DraftVerifyGenerator(StatsGenerator):
         with batch.drafter_timer:
             drafter.observe(batch.drafts, rows, last_features, last, last_tokens)
 
-    def _retire(self, batch: Batch, outcome):
-        """5. Finalize the rows that emitted EOS and drop them."""
+    def _retire(self, batch: Batch, outcome) -> List[int]:
+        """5. Finalize the rows that emitted EOS and drop them; returns their ids."""
+        finished = []
         if outcome.ended_rows:
             ended = outcome.ended
             for r in np.flatnonzero(ended).tolist():
-                batch.finalized[batch.rows_host[r]] = [batch.hypothesis(r)]
+                row = batch.rows_host[r]
+                batch.finalized[row] = [batch.hypothesis(r)]
+                finished.append(row)
             alive = np.flatnonzero(ended == 0).tolist()
             if not alive:  # the batch is done: nothing to reorder
                 batch.rows_host = []
-                return
+                return finished
             batch.keep(alive)
         batch.step.compact(batch.cache, self.compact_holes)
+        return finished
+
+    def leave(self, batch: Batch, ids: List[int]):
+        """Rows ``ids`` leave the running ``batch`` unfinished (their requests were cancelled);
+        their ids are free again."""
+        gone = set(ids)
+        alive = [r for r, row in enumerate(batch.rows_host) if row not in gone]
+        if len(alive) == len(batch.rows_host):
+            return
+        if alive:
+            batch.keep(alive)
+        else:
+            batch.rows_host = []
+        batch.release([row for row in ids])
 
 
 def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None,

@@ -98,6 +98,15 @@ class BlockDecoder:
     # no product kernels of its own (step/interface.py)
     fast = False
     kernels = None
+    # fairseq's incremental state keeps no per-row holes for rows that join a running batch:
+    # only the lean and fast steps take them (join_rows)
+    joins_rows = False
+
+    def join_rows(self, state, encoder_out, rows: int) -> None:
+        """``rows`` rows join the running batch of ``state`` after its rows (where
+        ``joins_rows``)."""
+        raise UsageError("the %s decoder step takes no rows into a running batch; the server "
+                         "decodes this model in rounds" % type(self).__name__)
 
     @property
     def margin(self) -> Optional[float]:

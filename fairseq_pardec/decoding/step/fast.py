@@ -43,7 +43,7 @@ from torch import Tensor
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.block_decoder import keep_bounds
 from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
-from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, join_sources, lean_supported
 from fairseq_pardec.decoding.step.margins import CPU_FP32_MARGIN
 from fairseq_pardec.decoding.step.output_projection import plain_output_projection
 from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
@@ -341,8 +341,8 @@ class FastBlockDecoder(LeanBlockDecoder):
             x += pos
         return x
 
-    def _start(self, cache: FastCache, encoder_out, bsz: int, device, dtype):
-        cache.weights = self._prepared()
+    def _start(self, cache: FastCache, encoder_out, bsz: int, device, dtype, weights=None):
+        cache.weights = self._prepared() if weights is None else weights
         enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)
         cache.enc_attend = None
         if enc_pad is not None and bool(enc_pad.any()):
@@ -594,6 +594,47 @@ class FastBlockDecoder(LeanBlockDecoder):
         cache.holes = None  # counted again when next needed
         if not bool(masked.any()):
             cache.masked = None
+
+    joins_rows = True
+
+    def join_rows(self, cache: FastCache, encoder_out, rows: int):
+        """``rows`` rows join the batch of ``cache`` (a batch that has run), after its rows,
+        decoding with the batch's weights: their encoder keys and values are projected, and
+        the entries before their first are masked (holes)."""
+        keys = cache.keys[0]
+        new = FastCache()
+        self._start(new, encoder_out, rows, keys.device, keys.dtype, weights=cache.weights)
+        old, length = cache.batch, cache.length
+        attend = cache.enc_attend
+        pad_a = None if attend is None else ~attend.view(old, -1)
+        pad_b = None if new.enc_attend is None else ~new.enc_attend.view(rows, -1)
+        cache.enc_keys, cache.enc_values, pad = join_sources(
+            cache.enc_keys, cache.enc_values, pad_a, new.enc_keys, new.enc_values, pad_b,
+            old, rows, source_dim=2, rows_dim=0)
+        cache.enc_attend = None if pad is None else (~pad).view(old + rows, 1, 1, -1)
+
+        def grown(t: Tensor) -> Tensor:
+            return torch.cat([t[:old], t.new_zeros((rows,) + tuple(t.shape[1:]))], dim=0)
+
+        # new lists: the native step's table of the buffers is rebuilt (layer_stack.py)
+        cache.keys = [grown(k) for k in cache.keys]
+        cache.values = [grown(v) for v in cache.values]
+        if length:
+            if cache.masked is None:
+                cache.masked = torch.zeros(old, cache.capacity, dtype=torch.bool,
+                                           device=keys.device)
+                cache.holes = [0] * old
+            holes = self._holes(cache, length)
+            fresh = cache.masked.new_zeros(rows, cache.capacity)
+            fresh[:, :length] = True
+            cache.masked = torch.cat([cache.masked[:old], fresh], dim=0)
+            cache.holes = holes + [length] * rows
+        elif cache.masked is not None:
+            cache.masked = torch.cat([cache.masked[:old],
+                                      cache.masked.new_zeros(rows, cache.capacity)], dim=0)
+            if cache.holes is not None:
+                cache.holes = cache.holes + [0] * rows
+        cache.batch = old + rows
 
     def reorder(self, cache: FastCache, new_order: Tensor):
         """Keep (and reorder) batch rows; used when finished rows leave the batch.

@@ -76,5 +76,13 @@ class DecoderStep(Protocol):
     def compact(self, state: Any, min_holes: float = 0.5) -> None:
         """Squeeze rolled-back holes out of the cache when they are ``min_holes`` of it."""
 
+    @property
+    def joins_rows(self) -> bool:
+        """Whether rows may join a running batch of this step's (``join_rows``)."""
+
+    def join_rows(self, state: Any, encoder_out, rows: int) -> None:
+        """``rows`` rows join the batch of ``state``, after its rows, with ``encoder_out``
+        their encoder's output: the cache entries before their first are holes to them."""
+
     def reorder(self, state: Any, new_order: Tensor) -> None:
         """Keep (and reorder) the batch's rows: finished rows leave."""

@@ -77,6 +77,38 @@ def lean_supported(decoder) -> bool:
     return True
 
 
+def join_sources(keys_a: List[Tensor], values_a: List[Tensor], pad_a: Optional[Tensor],
+                 keys_b: List[Tensor], values_b: List[Tensor], pad_b: Optional[Tensor],
+                 rows_a: int, rows_b: int, source_dim: int, rows_dim: int):
+    """Two batches' projected encoder keys and values per layer, one batch after the other;
+    the shorter source is padded at its end. Returns the keys, the values and the (B, S) source
+    padding (True: not a source position; None: no row has any)."""
+    s_a, s_b = keys_a[0].size(source_dim), keys_b[0].size(source_dim)
+    source = max(s_a, s_b)
+
+    def padded(t: Tensor, length: int) -> Tensor:
+        if length == source:
+            return t
+        shape = list(t.shape)
+        shape[source_dim] = source - length
+        return torch.cat([t, t.new_zeros(shape)], dim=source_dim)
+
+    keys = [torch.cat([padded(a, s_a), padded(b, s_b)], dim=rows_dim)
+            for a, b in zip(keys_a, keys_b)]
+    values = [torch.cat([padded(a, s_a), padded(b, s_b)], dim=rows_dim)
+              for a, b in zip(values_a, values_b)]
+    if pad_a is None and pad_b is None and s_a == s_b:
+        return keys, values, None
+    device = keys[0].device
+
+    def pad_of(pad: Optional[Tensor], rows: int, length: int) -> Tensor:
+        out = torch.ones(rows, source, dtype=torch.bool, device=device)
+        out[:, :length] = False if pad is None else pad.view(rows, length)
+        return out
+
+    return keys, values, torch.cat([pad_of(pad_a, rows_a, s_a), pad_of(pad_b, rows_b, s_b)], 0)
+
+
 class LeanCache:
     """Decoder state of one batch for :class:`LeanBlockDecoder`.
 
@@ -282,6 +314,10 @@ class LeanBlockDecoder(BlockDecoder):
         layout = BlockLayout(block_pad)
         return layout.unpack(self.forward_packed(tokens, start, layout, encoder_out, cache))
 
+    def reads_encoder_out(self, cache: LeanCache) -> bool:
+        # the encoder's keys and values are projected into the cache by the batch's first call
+        return not cache.enc_keys
+
     # ------------------------------------------------------------------ cache surgery
     def cache_length(self, cache: LeanCache) -> int:
         return cache.length
@@ -348,6 +384,31 @@ class LeanBlockDecoder(BlockDecoder):
             cache.values[i] = value.gather(1, idx)
         masked = cache.masked.gather(1, order)
         cache.masked = masked if bool(masked.any()) else None
+
+    joins_rows = True
+
+    def join_rows(self, cache: LeanCache, encoder_out, rows: int):
+        """``rows`` rows join the batch of ``cache`` (a batch that has run), after its rows:
+        their encoder keys and values are projected, and the entries before their first are
+        masked (holes: each row's positions are its own length, never the cache's)."""
+        new = LeanCache()
+        self._project_encoder(new, encoder_out, rows)
+        old, heads, length = cache.batch, self.heads, cache.length
+        cache.enc_keys, cache.enc_values, cache.enc_pad = join_sources(
+            cache.enc_keys, cache.enc_values, cache.enc_pad, new.enc_keys, new.enc_values,
+            new.enc_pad, old, rows, source_dim=1, rows_dim=0)
+
+        def grown(t: Tensor) -> Tensor:
+            return torch.cat([t, t.new_zeros(rows * heads, length, t.size(2))], dim=0)
+
+        cache.keys = [grown(k) for k in cache.keys]
+        cache.values = [grown(v) for v in cache.values]
+        if length:
+            masked = cache.masked
+            if masked is None:
+                masked = torch.zeros(old, length, dtype=torch.bool, device=cache.keys[0].device)
+            cache.masked = torch.cat([masked, masked.new_ones(rows, length)], dim=0)
+        cache.batch = old + rows
 
     def reorder(self, cache: LeanCache, new_order: Tensor):
         """Keep (and reorder) batch rows; used when finished rows leave the batch."""

@@ -287,6 +287,8 @@ class StaticBlockDecoder(LeanBlockDecoder):
     and what share of the free device memory, the step keeps (step/slot_pool.py).
     """
 
+    # its buffers are sized for the batch when it starts (slot_pool.py): no row joins later
+    joins_rows = False
     fast = True
     one_position_exact = False  # not even a one-position call rounds as fairseq does
     kernels = None  # the fast encoder measures its own kernels

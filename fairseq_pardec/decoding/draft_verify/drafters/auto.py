@@ -68,6 +68,8 @@ class AutoDrafter(LookupDrafter):
         # a drafter model drafts from every verification: the schedule never rests then
         self.rests = model is None
         self.stats = None  # the generator's DecodeStats (drafters' shares), set by the builder
+        # a drafter model's state lives on the device: no rows join it (Drafter.joins_rows)
+        self.joins_rows = model is None
 
     def set_sampler(self, sampler, temperature: float = 1.0):
         super().set_sampler(sampler, temperature)

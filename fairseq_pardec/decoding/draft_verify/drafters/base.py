@@ -29,6 +29,22 @@ def pad_drafts(drafts: List[List[int]], pad: int, device) -> (Tensor, Tensor):
     return out.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
 
 
+def place_rows(target, source, names, ids: List[int]):
+    """Lists kept per row id (``names``, attributes of both): ``source``'s rows 0, 1, ... are
+    written at ``ids`` of ``target``'s, where rows joining a running batch are given ids (an
+    id freed by a row that left is taken again, else the next new one)."""
+    for name in names:
+        mine = getattr(target, name)
+        for row, value in zip(ids, getattr(source, name)):
+            if row < len(mine):
+                mine[row] = value
+            elif row == len(mine):
+                mine.append(value)
+            else:
+                raise ValueError("row id %d skips ids after the %d kept in %s"
+                                 % (row, len(mine), name))
+
+
 class ProbeSchedule:
     """When the rows that draft nothing try again (CPU lists): per row, the iterations since it
     last drafted or probed, and how long it waits for its next probe, one draft token. The wait
@@ -40,6 +56,7 @@ class ProbeSchedule:
 
     PROBE_AFTER = 8
     LONGEST_PROBE_WAIT = 64
+    ROW_FIELDS = ("idle", "wait", "probing")  # kept per row id (place_rows)
 
     def __init__(self, rows: int, history: "AcceptanceHistory" = None):
         first_wait = self.PROBE_AFTER if history is None else history.probe_wait
@@ -118,6 +135,7 @@ class AdaptiveCaps:
     CEILING = 2 ** 30
     PRIOR_ACCEPTED, PRIOR_REJECTED = 0.95, 0.05
     RATE_DECAY = 0.75  # weight of a row's earlier drafts in its acceptance rate, per draft
+    ROW_FIELDS = ("mean", "accepted", "rejected")  # on the host, per row id (place_rows)
     PROBE_AFTER = ProbeSchedule.PROBE_AFTER
     LONGEST_PROBE_WAIT = ProbeSchedule.LONGEST_PROBE_WAIT
 
@@ -253,6 +271,14 @@ class DraftState:
         # no read of the device (None: not known)
         self.longest = None
 
+    # the lists a state keeps per row id (its subclasses' own), which ``absorb`` extends
+    ROW_FIELDS = ()
+
+    def absorb(self, other: "DraftState", ids: List[int]):
+        """The rows of ``other`` (a state ``start`` just made) join this state's batch as the
+        rows ``ids`` (engine: rows joining a running batch)."""
+        place_rows(self, other, self.ROW_FIELDS, ids)
+
 
 class Drafter:
     """Interface of the draft step of the draft-and-verify engine.
@@ -279,6 +305,10 @@ class Drafter:
     # True for a drafter that never drafts (NoDrafter): the engine then builds one-position
     # blocks directly and keeps no back-off
     drafts_nothing = False
+    # whether rows may join a running batch of this drafter's (its state's ``absorb``): the
+    # drafters on the host keep plain lists per row; a drafter model's state on the device
+    # (its own cache, its caps) takes none
+    joins_rows = False
 
     def set_sampler(self, sampler, temperature: float = 1.0):
         """Called once by a sampling engine: draw drafts with ``sampler`` (its filter and its
@@ -342,6 +372,7 @@ class NoDrafter(Drafter):
 
     drafts_nothing = True
     observes_features = False
+    joins_rows = True
 
     def propose(self, state, rows, tokens, n_out, max_len):
         empty = tokens.new_zeros(rows.numel(), 0)

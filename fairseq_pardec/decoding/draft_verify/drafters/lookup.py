@@ -178,6 +178,8 @@ class LookupState(CopyState):
         super().__init__()
         self.output_positions, self.indexed = [], []
 
+    ROW_FIELDS = CopyState.ROW_FIELDS + ("output_positions", "indexed")
+
 
 class LookupDrafter(CopyDrafter):
     """Draft by lookup: the row's source and own output first, then the n-gram table.

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from fairseq_pardec.decoding.draft_verify.backoff import DraftBackoff
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
-                                                                ProbeSchedule, QuietSpell)
+                                                                ProbeSchedule, QuietSpell,
+                                                                place_rows)
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (IterationClock,
                                                                   IterationPrices, draft_gain,
                                                                   paying_length)
@@ -272,3 +273,21 @@ class DraftSchedule:
         """Keep (and reorder) the active rows, as the engine does when finished rows leave."""
         if self.backoff is not None:
             self.backoff.keep(alive)
+
+    def absorb(self, other: "DraftSchedule", ids: List[int]):
+        """The rows of ``other`` (a fresh batch's schedule) join this batch as the rows
+        ``ids``, after its active rows. A quiet spell ends: it was priced without them."""
+        if self.backoff is not None:
+            self.backoff.failures = self.backoff.failures + other.backoff.failures
+            self.backoff.resume = self.backoff.resume + other.backoff.resume
+        for kind, caps in self.caps.items():
+            if caps.on_host:
+                place_rows(caps, other.caps[kind], AdaptiveCaps.ROW_FIELDS, ids)
+        if self.probes is not None:
+            place_rows(self.probes, other.probes, ProbeSchedule.ROW_FIELDS, ids)
+        if self.chosen:
+            place_rows(self, other, ("chosen",), ids)
+        self.rows = max(self.rows, max(ids) + 1)
+        self.quiet = None
+        if self.clock is not None:
+            self.clock.open = None  # its time would span the joining

@@ -69,6 +69,12 @@ class CopyState(DraftState):
         self.schedule = None
         self.drafted_rows = None  # the rows of the last propose that drafted, for observe
 
+    ROW_FIELDS = ("given", "sources", "positions", "last_match", "outputs")
+
+    def absorb(self, other: "CopyState", ids: List[int]):
+        super().absorb(other, ids)
+        self.rows = len(self.given)
+
     def source(self, row: int) -> List[int]:
         """[BOS] + the row's source in target ids; its tokens' places are then in
         ``positions[row]``. A source token the target dictionary lacks cannot be drafted: it
@@ -97,6 +103,9 @@ class CopyDrafter(Drafter):
     (one plain greedy step). Any draft is safe: exact verification keeps the output identical to
     greedy decoding; the rule only changes how many tokens are accepted.
     """
+
+    # its state is lists per row on the host (CopyState.absorb)
+    joins_rows = True
 
     # Ceiling of the adaptive caps on the CPU (--block-size not given). There a verified position
     # costs compute once the batch is compute-bound, so the ceiling shrinks with the number of

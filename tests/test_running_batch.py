@@ -1,0 +1,161 @@
+"""Rows join a running batch between iterations and leave it when finished or cancelled
+(``DraftVerifyGenerator.open / join / iterate / leave``): each row's output is the one
+``fairseq-generate --beam 1 --batch-size 1`` gives its sentence, whoever shares its iterations.
+
+Schedules are random (seeded): at each iteration a few sentences may join, a running row may be
+cancelled (and its sentence sent again later), and the rows that finish are compared with stock
+fairseq greedy on that sentence alone."""
+
+import random
+
+import pytest
+import torch
+
+from fairseq_pardec.decoding.draft_verify.drafters import (AutoDrafter, CopyDrafter, FixedPrices,
+                                                          LookupDrafter, NoDrafter)
+from fairseq_pardec.decoding.registry import DraftVerifyGenerator, ExactAcceptance
+from fairseq_pardec.errors import UsageError
+
+from helpers import collate, fairseq_greedy, make_dictionary, make_task, tiny_transformer
+
+LIMITS = dict(max_len_a=1.2, max_len_b=10)
+
+
+def drafter_named(name, d):
+    return {"lean_greedy": lambda: NoDrafter(),
+            "iad": lambda: CopyDrafter(d, d),
+            "lookup": lambda: LookupDrafter(d, d, adaptive=True),
+            "auto": lambda: AutoDrafter(d, d, prices=FixedPrices(fixed=2.0, drafting_row=0.5)),
+            }[name]()
+
+
+def generator_for(model, d, name, **kwargs):
+    drafter = drafter_named(name, d)
+    generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), **LIMITS, **kwargs)
+    if isinstance(drafter, AutoDrafter):
+        drafter.stats = generator.stats
+    return generator
+
+
+def alone(model, d, sources):
+    """Each sentence decoded alone by fairseq's SequenceGenerator (beam 1)."""
+    return [fairseq_greedy(model, d, collate(d, [s]), **LIMITS)[0][0] for s in sources]
+
+
+def run_schedule(generator, d, sources, seed, cancel_rate=0.05, most_joining=3):
+    """Decode ``sources`` through one running batch on a random schedule; returns
+    {sentence index: hypothesis} and the most rows that ran together."""
+    rng = random.Random(seed)
+    waiting = list(range(len(sources)))
+    done, running, widest = {}, {}, 0  # running: row id -> sentence index
+    joined_running = 0  # joins into a batch that had run
+    batch = None
+    while waiting or running:
+        if waiting and (not running or rng.random() < 0.6):
+            joining = [waiting.pop(0) for _ in range(min(len(waiting), rng.randint(1, most_joining)))]
+            sample = collate(d, [sources[i] for i in joining])
+            # the collater orders by length: its ids say which sentence each row is
+            order = sample["id"].tolist()
+            if batch is None or not batch.rows_host:
+                batch = generator.open(sample)
+                ids = list(range(len(order)))
+            else:
+                ids = generator.join(batch, sample)
+            for row, position in zip(ids, order):
+                running[row] = joining[position]
+            joined_running += bool(running) and len(batch.rows_host) > len(ids)
+        if running and rng.random() < cancel_rate:
+            row = rng.choice(sorted(running))
+            generator.leave(batch, [row])
+            waiting.append(running.pop(row))  # sent again later, from its start
+        if not running:
+            continue
+        widest = max(widest, len(batch.rows_host))
+        for row in generator.iterate(batch):
+            done[running.pop(row)] = batch.finalized[row][0]
+    assert joined_running > 0
+    return done, widest
+
+
+def check_identical(done, expected):
+    assert sorted(done) == list(range(len(expected)))
+    for i, hypo in done.items():
+        assert hypo["tokens"].tolist() == expected[i]["tokens"].tolist(), "sentence %d" % i
+        assert torch.allclose(hypo["positional_scores"], expected[i]["positional_scores"],
+                              atol=1e-4)
+
+
+def random_sources(d, count, seed, lo=2, hi=30):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.cat([torch.randint(d.nspecial, len(d), (int(n),), generator=g),
+                       torch.tensor([d.eos()])])
+            for n in torch.randint(lo, hi, (count,), generator=g)]
+
+
+@pytest.mark.parametrize("name", ["lean_greedy", "iad", "lookup", "auto"])
+@pytest.mark.parametrize("seed, step", [(0, "fast"), (1, "fast"), (2, "lean")])
+def test_random_model_random_schedule_equals_greedy_alone(name, seed, step):
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=seed)
+    sources = random_sources(d, 24, seed)
+    generator = generator_for(model, d, name, fast=step == "fast")
+    assert type(generator.block_decoder).__name__ == {"fast": "FastBlockDecoder",
+                                                      "lean": "LeanBlockDecoder"}[step]
+    done, widest = run_schedule(generator, d, sources, seed)
+    check_identical(done, alone(model, d, sources))
+    assert widest > 3  # rows did share iterations
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("name", ["lean_greedy", "iad", "lookup", "auto"])
+def test_trained_model_random_schedule_equals_greedy_alone(copy_model, name):
+    model, d, make_sample = copy_model
+    sample = make_sample(24, seed=321)
+    tokens, pad = sample["net_input"]["src_tokens"], d.pad()
+    sources = [row[row.ne(pad)] for row in tokens]
+    generator = generator_for(model, d, name)
+    done, _ = run_schedule(generator, d, sources, seed=7, most_joining=4)
+    check_identical(done, alone(model, d, sources))
+    stats = generator.stats
+    if name != "lean_greedy":  # rows that joined draft too
+        assert stats.positions_verified > stats.row_iterations
+    if name == "iad":  # (the priced drafters draft little where many rows share an iteration)
+        tokens = sum(len(hypo["tokens"]) for hypo in done.values())
+        assert tokens > 1.3 * stats.row_iterations
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("name", ["lean_greedy", "lookup"])
+def test_every_decision_replayed_on_the_rows_own_sentence(copy_model, name):
+    """A margin that makes every choice a close call hands each one to fairseq's arithmetic on
+    the row's own sentence alone: a row that joined must replay its own source."""
+    model, d, make_sample = copy_model
+    sample = make_sample(10, seed=99)
+    tokens, pad = sample["net_input"]["src_tokens"], d.pad()
+    sources = [row[row.ne(pad)] for row in tokens]
+    generator = generator_for(model, d, name, margin=1e9)
+    done, _ = run_schedule(generator, d, sources, seed=3)
+    check_identical(done, alone(model, d, sources))
+    assert generator.stats.close_calls > 0
+
+
+def test_row_ids_are_taken_again_once_released():
+    d = make_dictionary(30)
+    model = tiny_transformer(make_task(d), seed=5)
+    generator = generator_for(model, d, "lean_greedy")
+    sources = random_sources(d, 6, seed=5, lo=2, hi=6)
+    batch = generator.open(collate(d, sources[:2]))
+    finished = []
+    while batch.rows_host:
+        finished += generator.iterate(batch)
+    batch.release(finished)
+    ids = generator.join(batch, collate(d, sources[2:5]))
+    assert sorted(ids[:2]) == [0, 1] and ids[2] == 2
+
+
+def test_module_step_refuses_joining_in_one_line():
+    d = make_dictionary(30)
+    model = tiny_transformer(make_task(d), seed=5)
+    generator = generator_for(model, d, "lean_greedy", lean=False, fast=False)
+    with pytest.raises(UsageError, match="running batch"):
+        generator.open(collate(d, random_sources(d, 2, seed=1)))
