@@ -159,3 +159,53 @@ def test_module_step_refuses_joining_in_one_line():
     generator = generator_for(model, d, "lean_greedy", lean=False, fast=False)
     with pytest.raises(UsageError, match="running batch"):
         generator.open(collate(d, random_sources(d, 2, seed=1)))
+
+
+class _Served:
+    """What the server's running batch reads of its LoadedModel: the generator and batching."""
+
+    def __init__(self, generator, d):
+        self.generator, self.d = generator, d
+
+    def batch(self, sources):
+        return collate(self.d, sources)
+
+
+def test_the_servers_batch_takes_rows_at_every_iteration():
+    from fairseq_pardec.serve.running_batch import IterationBatch, Row, running_batch_for
+
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=11)
+    sources = random_sources(d, 9, seed=11, lo=8, hi=20)
+    served = _Served(generator_for(model, d, "iad"), d)
+    batch = running_batch_for(served, capacity=4, batching="join")
+    assert isinstance(batch, IterationBatch)
+    rows = [Row(source=s, job=None, index=i) for i, s in enumerate(sources)]
+    waiting, finished, steps = list(rows), [], 0
+    while waiting or batch.running():
+        free = batch.capacity - batch.running()
+        if waiting and free:  # one row at a time: each joins a batch that is running
+            batch.admit([waiting.pop(0)])
+        report = batch.step()
+        steps += 1
+        finished += report.finished
+        assert batch.running() <= batch.capacity
+    assert sorted(r.index for r in finished) == list(range(9))
+    expected = alone(model, d, sources)
+    for row in finished:
+        assert row.hypotheses[0]["tokens"].tolist() == expected[row.index]["tokens"].tolist()
+    # rows joined while others ran: fewer steps than decoding them one after the other
+    assert steps < sum(len(e["tokens"]) for e in expected)
+
+
+def test_the_server_decodes_in_rounds_where_rows_cannot_join(caplog):
+    from fairseq_pardec.serve.running_batch import RoundBatch, running_batch_for
+
+    d = make_dictionary(30)
+    model = tiny_transformer(make_task(d), seed=5)
+    served = _Served(generator_for(model, d, "lean_greedy", lean=False, fast=False), d)
+    with caplog.at_level("INFO", logger="fairseq_pardec.serve"):
+        assert isinstance(running_batch_for(served, 4, "join"), RoundBatch)
+    assert "rows join between rounds" in caplog.text
+    served = _Served(generator_for(model, d, "lean_greedy"), d)
+    assert isinstance(running_batch_for(served, 4, "buffer"), RoundBatch)

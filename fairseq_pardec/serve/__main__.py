@@ -14,13 +14,14 @@ def build_service(args):
     from fairseq_pardec.serve.metrics import Metrics
     from fairseq_pardec.serve.model import LoadedModel
     from fairseq_pardec.serve.page import render
-    from fairseq_pardec.serve.running_batch import RoundBatch
+    from fairseq_pardec.serve.running_batch import running_batch_for
 
     model = LoadedModel(args)
     metrics = Metrics()
     admission = (JoinNow() if args.batching == "join"
                  else Buffer(args.batch_size, args.batch_wait_ms / 1000.0))
-    batcher = Batcher(RoundBatch(model, args.batch_size), admission, args.max_pending_rows, metrics)
+    batcher = Batcher(running_batch_for(model, args.batch_size, args.batching), admission,
+                      args.max_pending_rows, metrics)
     page = render(args.path, str(getattr(args, "generator", "beam")), model.shares_vocabulary)
     return Service(model=model, batcher=batcher, limits=Limits.from_args(args, model),
                    metrics=metrics, page=page)

@@ -174,6 +174,9 @@ class Batcher:
                     return
             for row in gone:
                 self.batch.cancel(row)
+            if gone:  # rows left the running batch between two iterations
+                with self._lock:
+                    self._gauges()
             if rows:
                 now = time.perf_counter()
                 for row in rows:

@@ -20,8 +20,9 @@ def add_serve_args(parser):
     group.add_argument("--port", type=int, default=8000,
                        help="port to listen on (default 8000; 0: any free port, printed at start)")
     group.add_argument("--batching", choices=BATCHING_MODES, default="join",
-                       help="join: waiting rows join the running batch at its next opportunity "
-                       "(now between two decoding rounds); buffer: gather up to --batch-size rows "
+                       help="join: waiting rows join the running batch at its next iteration "
+                       "(a draft-and-verify --generator on the CPU's lean or fast step; others "
+                       "between two decoding rounds); buffer: gather up to --batch-size rows "
                        "or --batch-wait-ms, then decode that batch to its end, as TorchServe and "
                        "CTranslate2's buffer do (default join)")
     group.add_argument("--batch-wait-ms", type=float, default=10.0,

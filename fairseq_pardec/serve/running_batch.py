@@ -1,18 +1,28 @@
 """What the batcher decodes through: a running batch that rows join, that advances in steps,
 and that rows leave when finished or cancelled.
 
-:class:`RunningBatch` is the one interface the batcher uses. :class:`RoundBatch` implements it
-on the generator as it is today: rows join at the start of a round, and one step decodes the
-round to its end (``task.inference_step`` over every row). An iteration-level batch (rows join
-between two decoder iterations, finished rows leave at once, caches by slot) implements the same
-four members with one iteration per ``step``; the batcher and the server stay as they are.
+:class:`RunningBatch` is the one interface the batcher uses, with two implementations:
+
+* :class:`IterationBatch`: rows join between two decoder iterations (the draft-and-verify
+  engine's ``open`` and ``join``: their encoder runs once, their cache entries join the running
+  batch's) and leave the moment they finish or are cancelled; a step is one iteration. Each
+  row's output is the one its sentence gets decoded alone.
+* :class:`RoundBatch`: rows join at the start of a round, and one step decodes the round to its
+  end (``task.inference_step`` over every row): fairseq's own search, a generator whose step or
+  drafter keeps no per-row state to join (the CUDA static step, a drafter model), and
+  ``--batching buffer``.
 """
+
+import logging
+import time
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
+
+logger = logging.getLogger("fairseq_pardec.serve")
 
 
 @dataclass(eq=False)
@@ -85,8 +95,6 @@ class RoundBatch(RunningBatch):
         self._rows = [r for r in self._rows if r is not row]
 
     def step(self) -> StepReport:
-        import time
-
         rows, self._rows = self._rows, []
         if not rows:
             return StepReport()
@@ -106,3 +114,93 @@ class RoundBatch(RunningBatch):
             tokens=stats.target_tokens - before[2],
             seconds=finished_at - started,
         )
+
+
+class IterationBatch(RunningBatch):
+    """Rows join the running batch between two iterations and leave it when they finish or are
+    cancelled; one step is one iteration of the draft-and-verify engine (engine.py: ``open``,
+    ``join``, ``iterate``, ``leave``). No row waits for another's end."""
+
+    def __init__(self, model, capacity: int):
+        self.model = model  # serve.model.LoadedModel, its generator a DraftVerifyGenerator
+        self.generator = model.generator
+        self.capacity = capacity
+        self._batch = None  # the engine's running Batch, None until rows first join
+        self._rows: Dict[int, Row] = {}  # the batch's row id -> its Row
+
+    def running(self) -> int:
+        return len(self._rows)
+
+    def admit(self, rows: List[Row]) -> None:
+        if len(self._rows) + len(rows) > self.capacity:
+            raise ValueError("%d rows admitted to a batch of %d running rows and capacity %d"
+                             % (len(rows), len(self._rows), self.capacity))
+        if not rows:
+            return
+        sample = self.model.batch([row.source for row in rows])
+        order = sample["id"].tolist()  # the collater orders by length
+        if not self._rows:  # nothing running: a fresh batch
+            self._batch = self.generator.open(sample)
+            ids = list(range(len(rows)))
+        else:
+            ids = self.generator.join(self._batch, sample)
+        joined_at = time.perf_counter()
+        for row_id, position in zip(ids, order):
+            self._rows[row_id] = rows[position]
+            rows[position].joined_at = joined_at
+
+    def cancel(self, row: Row) -> None:
+        gone = [row_id for row_id, running in self._rows.items() if running is row]
+        for row_id in gone:
+            del self._rows[row_id]
+        if gone:
+            self.generator.leave(self._batch, gone)
+
+    def step(self) -> StepReport:
+        if not self._rows:
+            return StepReport()
+        stats = self.generator.stats
+        before = (stats.decoder_calls, stats.row_iterations)
+        started = time.perf_counter()
+        ended = self.generator.iterate(self._batch)
+        finished_at = time.perf_counter()
+        finished, tokens = [], 0
+        for row_id in ended:
+            row = self._rows.pop(row_id)
+            row.hypotheses = self._batch.finalized[row_id]
+            row.finished_at = finished_at
+            tokens += row.hypotheses[0]["tokens"].numel()
+            finished.append(row)
+        self._batch.release(ended)
+        # what generate counts per call, counted per row here
+        stats.sentences += len(finished)
+        stats.target_tokens += tokens
+        stats.wall_time += finished_at - started
+        return StepReport(
+            finished=finished,
+            decoder_calls=stats.decoder_calls - before[0],
+            row_iterations=stats.row_iterations - before[1],
+            tokens=tokens,
+            seconds=finished_at - started,
+        )
+
+
+def running_batch_for(model, capacity: int, batching: str) -> RunningBatch:
+    """The running batch of a server: rows join at every iteration where the generator takes
+    them (--batching join), else in rounds, with one line saying why."""
+    from fairseq_pardec.decoding.draft_verify.engine import DraftVerifyGenerator
+
+    generator = model.generator
+    if batching != "join":
+        return RoundBatch(model, capacity)
+    if not isinstance(generator, DraftVerifyGenerator):
+        logger.info("--batching join: fairseq's %s decodes in rounds (rows join between "
+                    "rounds); a draft-and-verify --generator takes rows at every iteration",
+                    type(generator).__name__)
+        return RoundBatch(model, capacity)
+    if not generator.joins_rows():
+        logger.info("--batching join: the %s decoder step or this drafter keeps no per-row state "
+                    "that rows could join; rows join between rounds",
+                    type(generator.block_decoder).__name__)
+        return RoundBatch(model, capacity)
+    return IterationBatch(model, capacity)
