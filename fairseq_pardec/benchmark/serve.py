@@ -4,7 +4,8 @@
 Open-loop Poisson arrivals (a fixed seed) at each rate of a sweep, one text a request, against
 each variant in turn, alone on the machine:
 
-* ``join``: fairseq-pardec-serve as it is (rows join at the batch's next opportunity);
+* ``join``: fairseq-pardec-serve as it is (rows join the running batch at its next iteration);
+* ``rounds``: the same server with rows joining between rounds (``--batching rounds``);
 * ``buffer``: the same server batching per request (``--batching buffer``: up to --batch-size
   rows or --buffer-ms, then that batch to its end), as TorchServe and CTranslate2's buffer do;
 * ``ct2``: CTranslate2 float32 behind the same front, batching per request as ``buffer`` does
@@ -39,7 +40,7 @@ from fairseq_pardec.errors import UsageError, exit_in_one_line
 
 PLUGIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY = re.compile(r"fairseq-pardec-serve: ready at (http://\S+/)")
-VARIANTS = ("join", "buffer", "ct2", "hub", "url")
+VARIANTS = ("join", "rounds", "buffer", "ct2", "hub", "url")
 START_TIMEOUT_S = 600
 
 
@@ -109,8 +110,8 @@ class StartedServer:
 
 def start(variant, server_args, options, log_dir):
     log = os.path.join(log_dir, "server-%s.log" % variant)
-    if variant == "join":
-        return StartedServer("fairseq_pardec.serve", server_args, ["--batching", "join"],
+    if variant in ("join", "rounds"):
+        return StartedServer("fairseq_pardec.serve", server_args, ["--batching", variant],
                              options.threads, log)
     if variant == "buffer":
         return StartedServer("fairseq_pardec.serve", server_args,

@@ -18,7 +18,7 @@ def build_service(args):
 
     model = LoadedModel(args)
     metrics = Metrics()
-    admission = (JoinNow() if args.batching == "join"
+    admission = (JoinNow() if args.batching in ("join", "rounds")
                  else Buffer(args.batch_size, args.batch_wait_ms / 1000.0))
     batcher = Batcher(running_batch_for(model, args.batch_size, args.batching), admission,
                       args.max_pending_rows, metrics)

@@ -10,7 +10,7 @@ import argparse
 from fairseq_pardec.errors import UsageError
 
 DEFAULT_BATCH_ROWS = 32
-BATCHING_MODES = ("join", "buffer")
+BATCHING_MODES = ("join", "rounds", "buffer")
 
 
 def add_serve_args(parser):
@@ -22,7 +22,8 @@ def add_serve_args(parser):
     group.add_argument("--batching", choices=BATCHING_MODES, default="join",
                        help="join: waiting rows join the running batch at its next iteration "
                        "(a draft-and-verify --generator on the CPU's lean or fast step; others "
-                       "between two decoding rounds); buffer: gather up to --batch-size rows "
+                       "between two decoding rounds); rounds: waiting rows join between two "
+                       "rounds, each decoded to its end; buffer: gather up to --batch-size rows "
                        "or --batch-wait-ms, then decode that batch to its end, as TorchServe and "
                        "CTranslate2's buffer do (default join)")
     group.add_argument("--batch-wait-ms", type=float, default=10.0,

@@ -10,7 +10,7 @@ and that rows leave when finished or cancelled.
 * :class:`RoundBatch`: rows join at the start of a round, and one step decodes the round to its
   end (``task.inference_step`` over every row): fairseq's own search, a generator whose step or
   drafter keeps no per-row state to join (the CUDA static step, a drafter model), and
-  ``--batching buffer``.
+  ``--batching rounds`` and ``--batching buffer``.
 """
 
 import logging
