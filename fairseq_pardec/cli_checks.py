@@ -8,49 +8,21 @@ Without ``--task translation_pardec`` our task's flags are unknown to fairseq, w
 import os
 import sys
 
+from fairseq_pardec.argv import program, task, values
 from fairseq_pardec.errors import UsageError, running_a_cli, warn
 from fairseq_pardec.input_files import FILE_FLAGS, file_problem, require_file
 
 
-def task_flags():
-    """The flags ``--task translation_pardec`` adds to fairseq's translation task."""
+def task_flags(config):
+    """The flags ``--task translation_pardec`` (its ``config``, a dataclass) adds to fairseq's
+    translation task."""
     from dataclasses import fields
 
     from fairseq.tasks.translation import TranslationConfig
 
-    from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig
-
     stock = {f.name for f in fields(TranslationConfig)}
-    return tuple("--" + f.name.replace("_", "-") for f in fields(TranslationPardecConfig)
+    return tuple("--" + f.name.replace("_", "-") for f in fields(config)
                  if f.name not in stock and not f.name.startswith("_"))
-
-
-def _task(argv):
-    for i, arg in enumerate(argv):
-        if arg == "--task" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--task="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def values(argv, *flags):
-    """(flag, value) of each ``--flag value`` or ``--flag=value`` in ``argv``, in order."""
-    found = []
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if flag in flags:
-            if eq:
-                found.append((flag, value))
-            elif i + 1 < len(argv):
-                found.append((flag, argv[i + 1]))
-    return found
-
-
-def program(argv):
-    """``generate``, ``interactive``, ... of a fairseq CLI's ``argv[0]`` (either spelling)."""
-    name = os.path.basename(argv[0]) if argv else ""
-    return name.replace("fairseq-", "").replace(".py", "")
 
 
 # fairseq reads 0 (and a negative size) as "no limit": a typo would batch the whole split
@@ -119,7 +91,9 @@ def check_file_flags(argv):
             raise UsageError(file_problem(path, flag, *FILE_FLAGS[flag]))
 
 
-def check_argv(argv=None):
+def check_argv(task_config, argv=None):
+    """The checks of the command line typed (``task_config``: our task's config dataclass,
+    whose own flags need ``--task translation_pardec``)."""
     argv = sys.argv if argv is None else argv
     if not argv or not running_a_cli(argv[0]):
         return
@@ -127,8 +101,9 @@ def check_argv(argv=None):
     check_precision(argv)
     check_interactive_input(argv)
     check_file_flags(argv)
-    used = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in task_flags()]
-    if used and _task(argv) != "translation_pardec":
+    ours = task_flags(task_config)
+    used = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in ours]
+    if used and task(argv) != "translation_pardec":
         raise UsageError(
             "%s is an option of --task translation_pardec; add --task translation_pardec "
             "(it decodes checkpoints of the stock translation task too)" % used[0]

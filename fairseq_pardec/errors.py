@@ -259,7 +259,3 @@ def install_cli_boundary():
     # a batch-prefetch thread still collating when the process ends would abort it (SIGABRT)
     # after this line: stopped at exit
     prefetch_threads.install()
-    if cli and os.path.basename(sys.argv[0]).startswith(("fairseq-train", "train.py")):
-        from fairseq_pardec import checkpoint_saving
-
-        checkpoint_saving.install()  # a checkpoint that cannot be written: one line, no .tmp

@@ -10,6 +10,8 @@ import re
 import struct
 import sys
 
+from fairseq_pardec.argv import values
+
 
 def flag_of(path, default="checkpoint"):
     """The command-line flag that gave ``path`` (``--path``, ``--drafter-path``, ...).
@@ -235,19 +237,21 @@ def no_language_pair(match, error=None):
             "-t TGT")
 
 
+# the --generator names that decode at beam 1 only; decoding/registry.py names them when
+# imported (the generators live above this module)
+GREEDY_ONLY_GENERATORS = set()
+
+
 def sampling_beam(match, error=None):
     """fairseq-generate's refusal of ``--sampling`` with a beam above ``--nbest``, raised before
     any generator is built. A greedy-only ``--generator`` typed without ``--beam`` takes beam 1
     (tasks/translation_pardec.py): there the typed ``--beam N`` is what to remove."""
-    from fairseq_pardec.cli_checks import values
-    from fairseq_pardec.decoding.registry import SPECS
-
     generators, beams = values(sys.argv, "--generator"), values(sys.argv, "--beam")
-    spec = SPECS.get(generators[-1][1]) if generators else None
-    if spec is not None and spec.greedy_only and beams:
+    name = generators[-1][1] if generators else None
+    if name in GREEDY_ONLY_GENERATORS and beams:
         return ("--sampling with --generator %s draws one sample per sentence (beam 1): remove "
                 "--beam %s (fairseq requires --nbest = --beam with --sampling)"
-                % (spec.name, beams[-1][1]))
+                % (name, beams[-1][1]))
     return ("--sampling draws one sample per sentence: add --beam 1 (fairseq requires --nbest = "
             "--beam with --sampling)")
 

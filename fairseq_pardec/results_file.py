@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from fairseq_pardec import errors
-from fairseq_pardec.cli_checks import program, values
+from fairseq_pardec.argv import program, values
 from fairseq_pardec.errors import UsageError, output_error
 from fairseq_pardec.output_files import temporary_name
 

@@ -11,7 +11,8 @@ from fairseq_pardec.decoding.draft_verify.margin_guard import fairseq_decision, 
 from fairseq_pardec.decoding.step.fast import DEFAULT_MARGIN, FastBlockDecoder
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
-from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, block_decoder_for
+from fairseq_pardec.decoding.step.factory import block_decoder_for
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
 from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
 from fairseq_pardec.decoding.step.native import native_kernel, native_unavailable_reason
 from fairseq_pardec.decoding.step.products import (KERNEL_VARIABLE, KERNELS, MKL, NATIVE, ONEDNN,

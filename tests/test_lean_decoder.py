@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
-from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, block_decoder_for
+from fairseq_pardec.decoding.step.factory import block_decoder_for
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
 
 from helpers import make_dictionary, make_task, random_batch, tiny_transformer
 

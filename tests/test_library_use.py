@@ -127,12 +127,12 @@ def test_fallback_to_fairseqs_modules_is_logged_once(caplog):
     import logging
 
     from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-    from fairseq_pardec.decoding.step import lean as lean_decoder
+    from fairseq_pardec.decoding.step import factory
     from helpers import tiny_transformer
 
     d = make_dictionary(20)
     model = tiny_transformer(make_task(d), scale_attn=True)  # NormFormer: not the lean step
-    lean_decoder._fallbacks_logged.discard(type(model.decoder).__name__)
+    factory._fallbacks_logged.discard(type(model.decoder).__name__)
     with caplog.at_level(logging.INFO):
         for _ in range(2):  # the step is chosen for the model as it is when asked for
             DraftVerifyGenerator([model], d, CopyDrafter(d, d), ExactAcceptance()).block_decoder

@@ -75,10 +75,11 @@ REFUSALS = (
 )
 
 
-def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
+def refuse(name, specs, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
     """UsageError naming the first option that generator ``name`` cannot honour.
 
-    ``task_cfg`` holds the task's options, ``args`` fairseq's generation config.
+    ``specs`` is the registry's table of generators (registry.SPECS), ``task_cfg`` holds the
+    task's options, ``args`` fairseq's generation config.
 
     A greedy-only generator takes beam 1 and nothing else, whichever way the beam came: the
     command line's ``--beam`` (where a greedy-only ``--generator`` sets 1 unless ``--beam`` is
@@ -86,13 +87,11 @@ def refuse(name, task_cfg, args, extra_gen_cls_kwargs=None, prefix_allowed_token
     A config without a beam at all (``--eval-bleu-args '{}'``) asks for none: the generator's own.
     Decoding greedily where a beam search was asked for would change the output without a word.
     """
-    from fairseq_pardec.decoding.registry import SPECS  # the registry's builders import us
-
-    spec = SPECS[name]
+    spec = specs[name]
     for attr, (flag, default, _) in TASK_OPTIONS.items():
         value = getattr(task_cfg, attr, default)
         if attr not in spec.task_options and value is not None and value != default:
-            users = [s.name for s in SPECS.values() if attr in s.task_options]
+            users = [s.name for s in specs.values() if attr in s.task_options]
             raise UsageError("%s is an option of --generator %s; --generator %s does not use it"
                              % (flag, " or ".join(users), name))
     for flag, is_set, refusers in REFUSALS:

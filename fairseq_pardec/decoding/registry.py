@@ -40,6 +40,7 @@ from fairseq_pardec.decoding.fairseq_baselines import (
     build_greedy,
 )
 from fairseq_pardec.decoding.interleaved_beam import build_interleaved
+from fairseq_pardec import failures
 from fairseq_pardec.errors import UsageError
 
 # Families: which generation options a generator can honour (options.py refuses the others).
@@ -227,6 +228,8 @@ SPECS: Dict[str, GeneratorSpec] = {spec.name: spec for spec in (
                   "beam and greedy map to it for them", INTERLEAVED, greedy_only=False,
                   task_options=("interleaved_candidates",)),
 )}
+# the errors' messages name the greedy-only generators (failures.py lives below this module)
+failures.GREEDY_ONLY_GENERATORS.update(name for name, spec in SPECS.items() if spec.greedy_only)
 
 # name -> builder (what fairseq's build_generator calls)
 GENERATORS = {name: spec.build for name, spec in SPECS.items()}

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from fairseq_pardec.cli_checks import program
+from fairseq_pardec.argv import program
 from fairseq_pardec.errors import warn
 from fairseq_pardec.failures import interactive_input_name
 

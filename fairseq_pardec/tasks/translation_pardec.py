@@ -338,7 +338,7 @@ class TranslationPardecTask(TranslationTask):
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
         for each in dict.fromkeys((asked, name)):  # greedy on an ibdecoder: both rule sets
-            refuse(each, self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
+            refuse(each, SPECS, self.cfg, args, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
         if SPECS[asked].greedy_only:
             args = use_beam_one(args)
         generator = GENERATORS[name](

@@ -428,9 +428,3 @@ class LeanBlockDecoder(BlockDecoder):
         if cache.enc_pad is not None:
             cache.enc_pad = cache.enc_pad.index_select(0, new_order)
         cache.batch = new_order.numel()
-
-
-
-# the factory lives in step/factory.py; importers of this module's name keep working
-from fairseq_pardec.decoding.step.factory import (_fallbacks_logged,  # noqa: E402,F401
-                                                  block_decoder_for)
