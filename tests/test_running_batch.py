@@ -209,3 +209,18 @@ def test_the_server_decodes_in_rounds_where_rows_cannot_join(caplog):
     assert "rows join between rounds" in caplog.text
     served = _Served(generator_for(model, d, "lean_greedy"), d)
     assert isinstance(running_batch_for(served, 4, "buffer"), RoundBatch)
+
+
+def test_every_step_is_what_the_protocols_declare():
+    from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
+    from fairseq_pardec.decoding.step.fast import FastBlockDecoder
+    from fairseq_pardec.decoding.step.interface import DecoderStep, DrafterStep
+    from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
+
+    d = make_dictionary(20)
+    decoder = tiny_transformer(make_task(d), seed=1).decoder
+    for step in (BlockDecoder(decoder), LeanBlockDecoder(decoder), FastBlockDecoder(decoder)):
+        assert isinstance(step, DecoderStep)
+    assert not BlockDecoder(decoder).joins_rows
+    for step in (LeanBlockDecoder(decoder), FastBlockDecoder(decoder)):
+        assert isinstance(step, DrafterStep) and step.joins_rows

@@ -8,7 +8,9 @@ a step for what it might have. Which step decodes a model is chosen per batch, f
 device and dtype at that moment (factory.StepChoice).
 """
 
-from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Optional, Protocol, Tuple, runtime_checkable
+
+import numpy as np
 
 from torch import Tensor
 
@@ -19,8 +21,11 @@ from fairseq_pardec.decoding.step.products import KernelChoice
 class BestTwoKernel(Protocol):
     """A native pass over log-probabilities (step/native_scores.c)."""
 
-    def best_two(self, scores: Tensor) -> Tuple[List[List[float]], List[int]]:
-        """Per row of (N, V) float32 scores: [best, second] values and the first best token."""
+    def best_two(self, scores: Tensor, rules=None) -> Tuple[np.ndarray, np.ndarray, int, int]:
+        """Per row of (N, V) contiguous float32 scores: ``values`` (N, 2) float32, its [best,
+        second] values, ``best`` (N,) int64, the first column holding the largest, and the two
+        arrays' addresses (the native decisions read them). ``rules`` (fairseq_rules.SearchRules
+        or None): fairseq's token edits, made in ``scores`` in the same pass."""
 
 
 @runtime_checkable
@@ -86,3 +91,26 @@ class DecoderStep(Protocol):
 
     def reorder(self, state: Any, new_order: Tensor) -> None:
         """Keep (and reorder) the batch's rows: finished rows leave."""
+
+
+@runtime_checkable
+class DrafterStep(DecoderStep, Protocol):
+    """What a block-causal drafter model asks of the step over its own cache
+    (drafters/glat.py): a decoder step whose call takes its own positions and mask, and whose
+    cache can drop the columns of its mask slots. The lean and fast steps are such steps."""
+
+    decoder: Any  # the fairseq decoder it runs
+
+    def forward_packed(self, tokens: Tensor, start: Tensor, layout: BlockLayout, encoder_out,
+                       state: Any, steps: Optional[Tensor] = None,
+                       block_mask: Optional[Tensor] = None) -> Tensor:
+        """As :meth:`DecoderStep.forward_packed`; ``steps`` (B, L): each position's decoder
+        step where it is not ``start[b] + i``; ``block_mask`` (L, L) additive: attention inside
+        the block where it is not causal (the cache stays visible to every position)."""
+
+    def cache_length(self, state: Any) -> int:
+        """The entries in ``state`` (holes included)."""
+
+    def drop_columns(self, state: Any, first: int, count: int) -> None:
+        """Remove entries ``first .. first + count - 1`` of every row, moving the later ones
+        forward."""

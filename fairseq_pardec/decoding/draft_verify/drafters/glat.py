@@ -7,6 +7,7 @@ import torch
 from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter, DraftState
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.factory import block_decoder_for
+from fairseq_pardec.decoding.step.interface import DrafterStep
 from fairseq_pardec.decoding.step.lean import lean_supported
 from fairseq_pardec.decoding.step.output_projection import draft_projection, plain_output_projection
 from fairseq_pardec.errors import UsageError
@@ -118,7 +119,7 @@ class CachedNARDrafter(NARDrafter):
                 "reproduce (NormFormer, bias_kv, ...); train it without them")
         # the verifier's step: the fast one where it runs (float32 on the CPU), else the lean
         # one; a draft needs no guard, its tokens are verified
-        self.blocks = block_decoder_for(model.decoder, lean=True, fast=True)
+        self.blocks: DrafterStep = block_decoder_for(model.decoder, lean=True, fast=True)
         self.mask_token = model.mask_index()
         self.max_step = model.max_decoder_positions() - 1
 
