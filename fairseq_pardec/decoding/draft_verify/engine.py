@@ -33,6 +33,12 @@ call*, decided by replaying fairseq's own arithmetic for that sentence at batch 
 device (draft_verify/margin_guard.py). float32 CUDA products set to TF32 are refused. In
 float16/bfloat16 no bound is claimed and no guard runs: outputs are not guaranteed identical.
 
+A running batch (``open``, ``join``, ``iterate``, ``leave``: the server's) takes rows between
+iterations: their encoder runs once, their drafter state starts, and their cache entries follow
+the running rows' (step.join_rows), the entries before their first being holes to them. Each
+row's length limit is then its own (``--max-len-a`` x its source length + ``--max-len-b``), and
+a close call replays its own sentence: its output is the one ``--batch-size 1`` gives it.
+
 Every token is decided on the host (decisions.py; nearly every row by a plain C function,
 step/native_decide.c), on every device, from one read of the device per iteration: per verified
 position the best token after fairseq's edits, its log-probability and the runner-up's (with
