@@ -224,3 +224,18 @@ def test_every_step_is_what_the_protocols_declare():
     assert not BlockDecoder(decoder).joins_rows
     for step in (LeanBlockDecoder(decoder), FastBlockDecoder(decoder)):
         assert isinstance(step, DrafterStep) and step.joins_rows
+
+
+def test_joining_rows_take_the_room_rows_left_before_copying():
+    from fairseq_pardec.decoding.step.fast import _with_rows
+
+    t = torch.arange(24.0).view(4, 3, 2)
+    kept = t[:2]  # two rows left the batch: their storage stays
+    grown = _with_rows(kept, 2, 3)
+    assert grown.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()  # in place
+    assert torch.equal(grown[:2], torch.arange(12.0).view(2, 3, 2))
+    assert not grown[2].any()
+    bigger = _with_rows(grown, 3, 6)  # no room: a new buffer with room for more
+    assert bigger.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert torch.equal(bigger[:3], grown) and not bigger[3:].any()
+    assert _with_rows(bigger, 6, 8).untyped_storage().data_ptr() == bigger.untyped_storage().data_ptr()

@@ -33,6 +33,7 @@ It covers what :func:`~fairseq_pardec.decoding.step.lean.lean_supported` covers,
 on the CPU; elsewhere the engine uses the lean step.
 """
 
+import math
 import threading
 from typing import List, Optional, Tuple
 
@@ -140,6 +141,23 @@ class FastCache:
     @property
     def capacity(self) -> int:
         return self.keys[0].size(2) if self.keys else 0
+
+
+def _with_rows(t: Tensor, old: int, total: int) -> Tensor:
+    """``t``'s ``old`` rows (dim 0) and ``total - old`` zero rows after them: in place where
+    its storage has room past them (rows that left a running batch leave theirs), else in a
+    buffer with room for half as many again, so that rows joining a running batch one by one
+    do not copy every row's entries each time."""
+    shape = (total,) + tuple(t.shape[1:])
+    per_row = t[0].numel() if t.size(0) else math.prod(shape[1:])
+    if (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() >= total * per_row * t.element_size()):
+        out = t.new_empty(0).set_(t.untyped_storage(), 0, shape)
+    else:
+        out = t.new_empty((total + max(total // 2, 1),) + shape[1:])[:total]
+        out[:old] = t[:old]
+    out[old:].zero_()  # a masked entry's value is multiplied by 0: it must be finite
+    return out
 
 
 def _additive(allowed: Optional[Tensor]) -> Optional[Tensor]:
@@ -613,12 +631,9 @@ class FastBlockDecoder(LeanBlockDecoder):
             old, rows, source_dim=2, rows_dim=0)
         cache.enc_attend = None if pad is None else (~pad).view(old + rows, 1, 1, -1)
 
-        def grown(t: Tensor) -> Tensor:
-            return torch.cat([t[:old], t.new_zeros((rows,) + tuple(t.shape[1:]))], dim=0)
-
         # new lists: the native step's table of the buffers is rebuilt (layer_stack.py)
-        cache.keys = [grown(k) for k in cache.keys]
-        cache.values = [grown(v) for v in cache.values]
+        cache.keys = [_with_rows(k, old, old + rows) for k in cache.keys]
+        cache.values = [_with_rows(v, old, old + rows) for v in cache.values]
         if length:
             if cache.masked is None:
                 cache.masked = torch.zeros(old, cache.capacity, dtype=torch.bool,
