@@ -185,10 +185,9 @@ def build_auto(task, models, args, extra_gen_cls_kwargs=None, **kwargs):
         model = HeadsDrafter(decoder, dictionary.pad(), decoder.proposal_heads, adaptive=False,
                              dictionary=dictionary, draft_vocab=cfg.draft_vocab)
     # On the CPU the CPU's fixed prices decide (pricing.CPU_PRICES: no draft pays from 8
-    # active rows on): on a UA-GEC model the prices measured from the iterations made auto
-    # draft on 7% of its row-iterations at batch 1 and ran at 0.79 of the best single
-    # generator, fixed ones at 0.97 (docs/results-history.md, "Priced drafts"). Elsewhere the prices
-    # are measured.
+    # active rows on): on a UA-GEC model prices measured from the iterations drafted too
+    # little and ran slower than fixed ones (docs/results-history.md, "Priced drafts").
+    # Elsewhere the prices are measured.
     on_cpu = next(models[0].parameters()).device.type == "cpu"
     auto = AutoDrafter(task.source_dictionary, dictionary, table, model=model, model_kind=kind,
                        prices=CPU_PRICES if on_cpu else None)

@@ -123,14 +123,13 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     edits of the log-probabilities; at a forced step the hypothesis score becomes the previous one plus the forced token's log-probability
     (float32), and at the step after the prefix the choice is beam-1's first of
     ``topk(score + log-probs, 2)``. The prefix's exact score is computed only where its rounding
-    could tie the best two (below): a decision then costs the lean steps alone, 0.10 s for two
-    ddtp decisions after 15 and 45 tokens against 0.21 s with an output layer per step; 51 ms
-    against ``SequenceGenerator``'s 120 ms per decision after 10-30 tokens (ddtp, 16 decisions).
-    With a bound on the prefix's score from the caller (the engine's: the fast step's score plus
-    a margin per token), the prefix steps only fill the cache (``cache_only``: the last layer's
-    query, attention and feed-forward skipped): the same two decisions 0.065-0.077 s against
-    0.138-0.179 in alternating runs. tests/test_fast_step.py compares the replay with
-    ``SequenceGenerator``, with and without a bound, on models where every way is taken.
+    could tie the best two (below): a decision then costs the lean steps alone, with no output
+    layer per step. With a bound on the prefix's score from the caller (the engine's: the fast
+    step's score plus a margin per token), the prefix steps only fill the cache
+    (``cache_only``: the last layer's query, attention and feed-forward skipped). What each
+    saves is measured in docs/results.md ("The close calls' replay").
+    tests/test_fast_step.py compares the replay with ``SequenceGenerator``, with and without a
+    bound, on models where every way is taken.
     """
     from fairseq_pardec.decoding.fairseq_rules import token_rules
     from fairseq_pardec.decoding.step.lean import lean_supported

@@ -94,15 +94,15 @@ class FixedPrices(IterationPrices):
         return self.fixed + max(1, rows) if self.model is None else self.model
 
 
-# The CPU's prices, from the costs of a d256 3+3 model's iterations on an AMD EPYC (2 threads,
-# docs/results.md, "What an iteration costs on the CPU"): a plain iteration costs ~250 us at one
-# row and ~26 us more per row (fixed ~ 9 rows); a verified draft position 40-65 us (its products
-# and its share of the decisions, ~2 rows); a drafting row ~1 row of Python beyond them once
-# its block is built from the drafter's lists (matching, reading its outcome). So a draft
-# position pays at 1 row where it is accepted with probability 0.22, at 4 rows 0.67, and never
-# from 8 rows on: there every product is bound by arithmetic and a position costs more than a
-# row's share of the plain step. The price of a drafting row was chosen between 0, 1 and 2 by
-# the speed of auto and lookup on a GEC and a translation model (docs/results.md).
+# The CPU's prices, in rows of a plain iteration, from the measured costs of a d256 3+3 model's
+# iterations (docs/results.md, "What an iteration costs on the CPU"): a plain iteration's fixed
+# cost is that of about 8 rows, a verified draft position that of about 2 (its products and its
+# share of the decisions), a drafting row about 1 row of Python beyond them once its block is
+# built from the drafter's lists (matching, reading its outcome). So a draft position pays at 1
+# row where it is accepted with probability 0.22, at 4 rows 0.67, and never from 8 rows on:
+# there every product is bound by arithmetic and a position costs more than a row's share of
+# the plain step. The price of a drafting row was chosen between 0, 1 and 2 by the speed of auto
+# and lookup on a GEC and a translation model (docs/results.md).
 CPU_PRICES = FixedPrices(fixed=8.0, position=2.0, drafting_row=1.0)
 
 
