@@ -32,3 +32,25 @@ def test_load_benchmark_reports_every_output_equal_to_greedy(served, cli_data, s
     assert report["rows"][0]["variant"] == "url" and report["meta"]["seed"] == 1
     assert "| url | 20 |" in (out / "serve.md").read_text()
     assert (out / "serve_latency.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_soak_counts_every_answer_per_chunk(served, cli_data, stock_checkpoint, tmp_path):
+    from fairseq_pardec.benchmark.serve import main, resident_mb
+
+    _, data = cli_data
+    texts = source_texts(cli_data, 4)
+    (tmp_path / "texts").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    greedy = interactive_greedy(data, stock_checkpoint / "checkpoint_last.pt", texts)
+    (tmp_path / "greedy").write_text("\n".join(greedy) + "\n", encoding="utf-8")
+    out = tmp_path / "soak"
+    chunks = main(["--input", str(tmp_path / "texts"), "--greedy", str(tmp_path / "greedy"),
+                   "--variants", "url", "--url", served.url, "--rates", "20",
+                   "--soak", "1.0", "--soak-chunk", "0.5", "--out-dir", str(out)])
+    assert [c["chunk"] for c in chunks] == [0, 1]
+    assert all(c["answered"] == c["requests"] == 10 and c["failed"] == 0 for c in chunks)
+    assert all(c["identical_to_greedy"] == c["compared"] for c in chunks)
+    assert "20 sent, 20 answered, 0 failed, 0 unlike greedy" in (out / "soak.md").read_text()
+    assert json.loads((out / "soak.json").read_text())["meta"]["variant"] == "url"
+    import os
+
+    assert resident_mb(os.getpid()) > 1.0  # read from /proc on Linux

@@ -394,7 +394,7 @@ def run(args):
         for row in by_label.values():
             if singles and row["sentences_per_s"]:
                 row["speedup_vs_best_single"] = row["sentences_per_s"] / max(singles)
-        if args.step_table:
+        if args.step_table and table_steps_decoder(model):
             steps.append(step_row(model, samples[0], by_label.get(ct2_label), args))
 
     meta = {
@@ -412,6 +412,18 @@ def run(args):
         "steps": steps,
     }
     return meta, rows
+
+
+def table_steps_decoder(model) -> bool:
+    """Whether the step table measures ``model``'s decoder: a left-to-right Transformer decoder
+    that the engine's steps run (an ibdecoder model's is not: its table is left out)."""
+    from fairseq_pardec.decoding.step.block_decoder import UnsupportedDecoder, check_supported_decoder
+
+    try:
+        check_supported_decoder(model.decoder)
+    except UnsupportedDecoder:
+        return False
+    return True
 
 
 def step_row(model, sample, ct2_row, args):

@@ -20,6 +20,10 @@ fairseq greedy's (``--greedy FILE``, one line per text, or fairseq-interactive `
 greedy --batch-size 1`` on the same options). Writes ``serve.md``, ``serve.json`` and
 ``serve_latency.png`` to ``--out-dir``.
 
+``--soak SECONDS`` runs the first variant at the first rate for that long instead, in chunks, and
+reads the server's resident memory after each: lost (failed) and wrong answers and memory growth
+over a long run (``soak.md``, ``soak.json``).
+
 The options this command does not know are the server's (fairseq-interactive's and
 fairseq-pardec-serve's): each variant's server gets them.
 """
@@ -35,6 +39,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from fairseq_pardec.errors import UsageError, exit_in_one_line
 
@@ -65,7 +70,65 @@ def build_parser():
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the servers")
     parser.add_argument("--out-dir", default="benchmark-out/serve")
+    parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
+                        help="instead of the sweep: the first variant at the first --rates value "
+                        "for SECONDS, in chunks of --soak-chunk seconds, with the server's "
+                        "resident memory after each (writes soak.md and soak.json)")
+    parser.add_argument("--soak-chunk", type=float, default=30.0, metavar="SECONDS")
     return parser
+
+
+def resident_mb(pid: int) -> Optional[float]:
+    """The process's resident memory (VmRSS) in MiB, or None where /proc does not say."""
+    try:
+        with open("/proc/%d/status" % pid, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def soak(server, url, texts, greedy, options):
+    """The server at one rate for ``options.soak`` seconds, chunk by chunk: per chunk the
+    answers, failures, outputs unlike greedy's, p99 and the server's resident memory."""
+    rate, chunks = options.rates[0], []
+    count = max(1, int(round(options.soak / options.soak_chunk)))
+    per_chunk = argparse.Namespace(**dict(vars(options),
+                                          requests=max(1, int(rate * options.soak_chunk))))
+    for k in range(count):
+        per_chunk.seed = "%s|soak%d" % (options.seed, k)
+        row = measure(url, rate, texts, greedy, per_chunk)
+        row.update(chunk=k, rss_mb=resident_mb(server.proc.pid) if server else None)
+        print("soak chunk %d: %.1f req/s, p99 %s ms, %d failed, %d/%d = greedy, RSS %s MiB"
+              % (k, row["throughput"], row["p99_ms"] and round(row["p99_ms"], 1), row["failed"],
+                 row["identical_to_greedy"], row["compared"],
+                 row["rss_mb"] and round(row["rss_mb"], 1)), file=sys.stderr, flush=True)
+        chunks.append(row)
+    return chunks
+
+
+def soak_markdown(meta, chunks):
+    sent = sum(c["requests"] for c in chunks)
+    answered = sum(c["answered"] for c in chunks)
+    wrong = sum(c["compared"] - c["identical_to_greedy"] for c in chunks)
+    first, last = chunks[0]["rss_mb"], chunks[-1]["rss_mb"]
+    lines = ["# Soak: %s at %g req/s for %d chunks of %g s" % (meta["variant"], meta["rate"],
+                                                              len(chunks), meta["chunk_s"]),
+             "", "machine: %s; commit %s; %s" % (meta["machine"], meta["commit"], meta["date"]),
+             "", "| chunk | sent | answered | failed | = greedy | throughput | p99 ms | RSS MiB |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in chunks:
+        lines.append("| %d | %d | %d | %d | %d/%d | %.1f | %s | %s |" % (
+            c["chunk"], c["requests"], c["answered"], c["failed"], c["identical_to_greedy"],
+            c["compared"], c["throughput"], c["p99_ms"] and "%.1f" % c["p99_ms"],
+            c["rss_mb"] and "%.1f" % c["rss_mb"]))
+    growth = ("%.1f%%" % (100.0 * (last - first) / first)) if first and last else "not read"
+    lines += ["", "%d sent, %d answered, %d failed, %d unlike greedy; resident memory from the "
+              "first chunk's end to the last's: %s" % (sent, answered, sent - answered, wrong,
+                                                        growth), ""]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- servers
@@ -289,6 +352,8 @@ def main(argv=None):
     else:
         greedy = greedy_outputs(texts, server_args, options.threads)
     os.makedirs(options.out_dir, exist_ok=True)
+    if options.soak > 0:
+        return run_soak(options, server_args, texts, greedy)
     rows = []
     for variant in options.variants:
         server = None if variant == "url" else start(variant, server_args, options, options.out_dir)
@@ -315,6 +380,27 @@ def main(argv=None):
     plot(rows, os.path.join(options.out_dir, "serve_latency.png"))
     print(markdown(meta, rows))
     return rows
+
+
+def run_soak(options, server_args, texts, greedy):
+    variant = options.variants[0]
+    server = None if variant == "url" else start(variant, server_args, options, options.out_dir)
+    try:
+        chunks = soak(server, options.url if server is None else server.url, texts, greedy,
+                      options)
+    finally:
+        if server is not None:
+            server.stop()
+    meta = {"machine": _machine(), "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
+            "variant": variant, "rate": options.rates[0], "chunk_s": options.soak_chunk,
+            "texts": len(texts), "server_args": server_args, "threads": options.threads}
+    text = soak_markdown(meta, chunks)
+    with open(os.path.join(options.out_dir, "soak.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(os.path.join(options.out_dir, "soak.json"), "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "chunks": chunks}, f, indent=1)
+    print(text)
+    return chunks
 
 
 def cli_main():
