@@ -1,5 +1,7 @@
 """The benchmark's report: the results table (markdown) and the quality-vs-speed plot."""
 
+from fairseq_pardec.decoding.step.margins import MEASURED_HEADROOM
+
 COLUMNS = [
     ("generator", "generator", "%s"),
     ("batch_size", "batch", "%d"),
@@ -42,15 +44,16 @@ def markdown(meta, rows):
         "(shares on the CPU only); *close calls*: choices the fast step's margin guard "
         "left to fairseq's own search, in one run, and *in one pass* of them, those one "
         "teacher-forced pass over the prefix decided; *margins in force*: the guard's margin "
-        "on the step and on that pass (*replay*: none), each the larger of its floor and ten "
-        "times the spread measured on the model before its first batch; *x best single*: speed over the fastest of "
+        "on the step and on that pass (*replay*: none), each the larger of its floor and %d "
+        "times the spread measured on the model before its first batch; *x best single*: "
+        "speed over the fastest of "
         "lean_greedy, iad and lookup in the run; *drafts* (auto): each drafter's share of the "
         "row-iterations, with its accepted draft tokens per drafting iteration; *= source*: "
         "share of outputs identical to their source (shared vocabularies only); *1st diff at*: "
         "mean token index of the first difference from "
         "greedy, over the sentences that differ."
         % (meta["machine"], meta["commit"], meta["date"], meta["torch"], meta["precision"],
-           meta["sentences"], meta["gen_subset"], meta["repeats"]),
+           meta["sentences"], meta["gen_subset"], meta["repeats"], MEASURED_HEADROOM),
         "",
         "| " + " | ".join(c[1] for c in COLUMNS) + " |",
         "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|",
