@@ -239,3 +239,30 @@ def test_joining_rows_take_the_room_rows_left_before_copying():
     assert bigger.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
     assert torch.equal(bigger[:3], grown) and not bigger[3:].any()
     assert _with_rows(bigger, 6, 8).untyped_storage().data_ptr() == bigger.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("step", ["fast", "lean"])
+def test_rows_join_before_the_first_iteration_and_after_rows_left(step):
+    """Joins before the batch's first call (its cache then projects every row's encoder output
+    at once) and after rows left (their places taken by the last rows)."""
+    d = make_dictionary(40)
+    model = tiny_transformer(make_task(d), seed=4)
+    sources = random_sources(d, 12, seed=4, lo=2, hi=25)
+    generator = generator_for(model, d, "iad", fast=step == "fast")
+    first = collate(d, sources[:4])
+    batch = generator.open(first)
+    running = dict(zip(range(4), first["id"].tolist()))
+    second = collate(d, sources[4:7])
+    for row, position in zip(generator.join(batch, second), second["id"].tolist()):
+        running[row] = 4 + position
+    done, rest = {}, list(range(7, 12))
+    while running:
+        for row in generator.iterate(batch):
+            done[running.pop(row)] = batch.finalized[row][0]
+            batch.release([row])
+        if rest and len(running) < 6:
+            joining = [rest.pop(0), rest.pop(0)] if len(rest) > 1 else [rest.pop(0)]
+            sample = collate(d, [sources[i] for i in joining])
+            for row, position in zip(generator.join(batch, sample), sample["id"].tolist()):
+                running[row] = joining[position]
+    check_identical(done, alone(model, d, sources))

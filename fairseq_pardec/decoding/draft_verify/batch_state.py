@@ -69,6 +69,15 @@ def join_encoder_outs(a: dict, rows_a: int, b: dict, rows_b: int) -> dict:
     return out
 
 
+def filled_in(alive: List[int]) -> List[int]:
+    """The ascending ``alive`` rows in the order where each place of a row that left is taken
+    by one of the last rows: [0, 1, 3, 4] -> [0, 1, 4, 3] (row 4 takes row 2's place)."""
+    kept = len(alive)
+    staying = set(alive)
+    tail = [r for r in alive if r >= kept]
+    return [r if r in staying else tail.pop() for r in range(kept)]
+
+
 def to_device(host: Tensor, device) -> Tensor:
     """A device copy of a host tensor, queued without waiting for the device. A new tensor on
     the CPU too: the host's own keeps changing, and the copy must not."""
@@ -162,7 +171,11 @@ class Batch:
         self.guard_timer = PartTimer(generator.stats, "guard_time", self.device)
 
     def keep(self, alive: List[int]):
-        """Keep the active rows ``alive`` (indices into the active rows), in that order."""
+        """Keep the active rows ``alive`` (indices into the active rows), in that order; in a
+        running batch (``row_max_len``: rows join it) the last rows take the places of those
+        that left instead, so that the step moves only as many rows as left."""
+        if self.row_max_len is not None:
+            alive = filled_in(alive)
         alive_host = torch.tensor(alive, dtype=torch.long)
         self.n_out_host = self.n_out_host[alive_host]
         self.tokens, self.cum_scores = self.tokens[alive_host], self.cum_scores[alive_host]
@@ -240,12 +253,10 @@ class Batch:
                 self.sources[row] = source
             else:
                 self.sources.append(source)
-        # the encoder's output of the active rows, then theirs; the cache projects theirs
-        joined = join_encoder_outs(self.encoder_out, len(self.rows_host) - count,
-                                   other.encoder_out, count)
+        # the encoder's output of the active rows, then theirs, joined when read (the cache
+        # projects theirs: the lean and fast steps read it no more)
+        self._joining.append((self.encoder_rows, len(self.rows_host) - count, other.encoder_out))
         self.encoder_rows = torch.arange(len(self.rows_host), device=self.device)
-        self._encoder_out_all = joined
-        self._encoder_out = (self.encoder_rows, joined)
         if not self.step.reads_encoder_out(self.cache):  # started: the new rows join it
             self.step.join_rows(self.cache, other.encoder_out, count)
             # their entries before their first are holes, which fairseq's steps never have
@@ -400,10 +411,21 @@ class Batch:
         read (``encoder_out``): the fast step reads it once, when the batch starts."""
         self._encoder_out_all = encoder_out
         self._encoder_out = (self.encoder_rows, encoder_out)
+        # rows that joined since (absorb): (the rows' encoder rows then, their count, the
+        # joining rows' encoder output), joined when next read
+        self._joining = []
 
     @property
     def encoder_out(self):
         """The encoder's output for the active rows."""
+        if self._joining:  # rows joined since the last read: their outputs after the others'
+            joins, self._joining = self._joining, []
+            for rows, count, theirs in joins:
+                mine = self.generator.model.encoder.reorder_encoder_out(self._encoder_out_all,
+                                                                        rows)
+                self._encoder_out_all = join_encoder_outs(mine, count, theirs,
+                                                          theirs["encoder_out"][0].size(1))
+                self._encoder_out = (None, None)
         rows, encoder_out = self._encoder_out
         if rows is not self.encoder_rows:
             encoder_out = self.generator.model.encoder.reorder_encoder_out(

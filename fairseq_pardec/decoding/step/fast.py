@@ -623,13 +623,29 @@ class FastBlockDecoder(LeanBlockDecoder):
         new = FastCache()
         self._start(new, encoder_out, rows, keys.device, keys.dtype, weights=cache.weights)
         old, length = cache.batch, cache.length
+        source, theirs = cache.enc_keys[0].size(2), new.enc_keys[0].size(2)
         attend = cache.enc_attend
-        pad_a = None if attend is None else ~attend.view(old, -1)
-        pad_b = None if new.enc_attend is None else ~new.enc_attend.view(rows, -1)
-        cache.enc_keys, cache.enc_values, pad = join_sources(
-            cache.enc_keys, cache.enc_values, pad_a, new.enc_keys, new.enc_values, pad_b,
-            old, rows, source_dim=2, rows_dim=0)
-        cache.enc_attend = None if pad is None else (~pad).view(old + rows, 1, 1, -1)
+        if theirs <= source:  # their sources fit: written into the rows' room, padded
+            def placed(mine: Tensor, their: Tensor) -> Tensor:
+                out = _with_rows(mine, old, old + rows)
+                out[old:, :, :theirs] = their
+                return out
+
+            cache.enc_keys = [placed(a, b) for a, b in zip(cache.enc_keys, new.enc_keys)]
+            cache.enc_values = [placed(a, b) for a, b in zip(cache.enc_values, new.enc_values)]
+            if attend is not None or new.enc_attend is not None or theirs < source:
+                mine = (attend if attend is not None else
+                        torch.ones(old, 1, 1, source, dtype=torch.bool, device=keys.device))
+                their = torch.zeros(rows, 1, 1, source, dtype=torch.bool, device=keys.device)
+                their[..., :theirs] = True if new.enc_attend is None else new.enc_attend
+                cache.enc_attend = torch.cat([mine, their], dim=0)
+        else:  # a longer source: every row's are padded to it
+            pad_a = None if attend is None else ~attend.view(old, -1)
+            pad_b = None if new.enc_attend is None else ~new.enc_attend.view(rows, -1)
+            cache.enc_keys, cache.enc_values, pad = join_sources(
+                cache.enc_keys, cache.enc_values, pad_a, new.enc_keys, new.enc_values, pad_b,
+                old, rows, source_dim=2, rows_dim=0)
+            cache.enc_attend = None if pad is None else (~pad).view(old + rows, 1, 1, -1)
 
         # new lists: the native step's table of the buffers is rebuilt (layer_stack.py)
         cache.keys = [_with_rows(k, old, old + rows) for k in cache.keys]
@@ -662,7 +678,26 @@ class FastBlockDecoder(LeanBlockDecoder):
             return t.index_select(0, new_order)
 
         order = new_order.tolist() if new_order.device.type == "cpu" else None
-        if order is not None and all(a < b for a, b in zip(order, order[1:])):
+        kept = len(order) if order is not None else 0
+        if order is not None and all(r == i or r >= kept for i, r in enumerate(order)):
+            # rows from past the kept ones fill the places of rows that left (a running batch's
+            # way: engine.Batch.keep): only those rows move
+            places = [i for i, r in enumerate(order) if r != i]
+            if places:
+                to, come = torch.tensor(places), new_order[places]
+
+                def fill(t: Tensor, end: int) -> Tensor:
+                    t[to, :, :end] = t[come, :, :end]
+                    return t[:kept]
+            else:
+                def fill(t: Tensor, end: int) -> Tensor:
+                    return t[:kept]
+
+            cache.keys = [fill(k, cache.length) for k in cache.keys]
+            cache.values = [fill(v, cache.length) for v in cache.values]
+            cache.enc_keys = [fill(k, k.size(2)) for k in cache.enc_keys]
+            cache.enc_values = [fill(v, v.size(2)) for v in cache.enc_values]
+        elif order is not None and all(a < b for a, b in zip(order, order[1:])):
             first = next((i for i, r in enumerate(order) if r != i), len(order))
             moved = new_order[first:]
             used = cache.length
