@@ -682,12 +682,11 @@ class FastBlockDecoder(LeanBlockDecoder):
         if order is not None and all(r == i or r >= kept for i, r in enumerate(order)):
             # rows from past the kept ones fill the places of rows that left (a running batch's
             # way: engine.Batch.keep): only those rows move
-            places = [i for i, r in enumerate(order) if r != i]
+            places = [(i, r) for i, r in enumerate(order) if r != i]
             if places:
-                to, come = torch.tensor(places), new_order[places]
-
                 def fill(t: Tensor, end: int) -> Tensor:
-                    t[to, :, :end] = t[come, :, :end]
+                    for to, come in places:  # a few rows: a copy each costs least
+                        t[to, :, :end].copy_(t[come, :, :end])
                     return t[:kept]
             else:
                 def fill(t: Tensor, end: int) -> Tensor:
