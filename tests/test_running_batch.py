@@ -266,3 +266,18 @@ def test_rows_join_before_the_first_iteration_and_after_rows_left(step):
             for row, position in zip(generator.join(batch, sample), sample["id"].tolist()):
                 running[row] = joining[position]
     check_identical(done, alone(model, d, sources))
+
+
+def test_a_running_batch_keeps_no_encoder_output_of_the_rows_it_served():
+    d = make_dictionary(30)
+    model = tiny_transformer(make_task(d), seed=6)
+    generator = generator_for(model, d, "lean_greedy")
+    sources = random_sources(d, 8, seed=6, lo=4, hi=10)
+    batch = generator.open(collate(d, sources[:2]))
+    generator.iterate(batch)
+    for source in sources[2:]:
+        generator.join(batch, collate(d, [source]))
+        generator.iterate(batch)
+    assert batch._joining == [] and batch._encoder_out_all is None
+    with pytest.raises(RuntimeError, match="keeps none"):
+        batch.encoder_out

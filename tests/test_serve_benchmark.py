@@ -11,14 +11,20 @@ pytest.importorskip("httpx")
 from serve_setup import interactive_greedy, source_texts  # noqa: E402
 
 
+def texts_and_greedy(cli_data, stock_checkpoint, folder, count):
+    """``count`` test texts and fairseq-interactive's greedy outputs of them, as the files
+    ``texts`` and ``greedy`` in ``folder``."""
+    _, data = cli_data
+    texts = source_texts(cli_data, count)
+    (folder / "texts").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    greedy = interactive_greedy(data, stock_checkpoint / "checkpoint_last.pt", texts)
+    (folder / "greedy").write_text("\n".join(greedy) + "\n", encoding="utf-8")
+
+
 def test_load_benchmark_reports_every_output_equal_to_greedy(served, cli_data, stock_checkpoint, tmp_path):
     from fairseq_pardec.benchmark.serve import main
 
-    _, data = cli_data
-    texts = source_texts(cli_data, 8)
-    (tmp_path / "texts").write_text("\n".join(texts) + "\n", encoding="utf-8")
-    greedy = interactive_greedy(data, stock_checkpoint / "checkpoint_last.pt", texts)
-    (tmp_path / "greedy").write_text("\n".join(greedy) + "\n", encoding="utf-8")
+    texts_and_greedy(cli_data, stock_checkpoint, tmp_path, 8)
     out = tmp_path / "out"
     rows = main(["--input", str(tmp_path / "texts"), "--greedy", str(tmp_path / "greedy"),
                  "--variants", "url", "--url", served.url, "--rates", "20", "--requests", "12",
@@ -37,11 +43,7 @@ def test_load_benchmark_reports_every_output_equal_to_greedy(served, cli_data, s
 def test_the_soak_counts_every_answer_per_chunk(served, cli_data, stock_checkpoint, tmp_path):
     from fairseq_pardec.benchmark.serve import main, resident_mb
 
-    _, data = cli_data
-    texts = source_texts(cli_data, 4)
-    (tmp_path / "texts").write_text("\n".join(texts) + "\n", encoding="utf-8")
-    greedy = interactive_greedy(data, stock_checkpoint / "checkpoint_last.pt", texts)
-    (tmp_path / "greedy").write_text("\n".join(greedy) + "\n", encoding="utf-8")
+    texts_and_greedy(cli_data, stock_checkpoint, tmp_path, 4)
     out = tmp_path / "soak"
     chunks = main(["--input", str(tmp_path / "texts"), "--greedy", str(tmp_path / "greedy"),
                    "--variants", "url", "--url", served.url, "--rates", "20",

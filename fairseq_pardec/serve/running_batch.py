@@ -62,6 +62,11 @@ class RunningBatch(ABC):
     def admit(self, rows: List[Row]) -> None:
         """``rows`` join the batch (at most ``capacity - running()`` of them)."""
 
+    def _check_room(self, rows: List[Row]):
+        if self.running() + len(rows) > self.capacity:
+            raise ValueError("%d rows admitted to a batch of %d running rows and capacity %d"
+                             % (len(rows), self.running(), self.capacity))
+
     @abstractmethod
     def step(self) -> StepReport:
         """Advance every running row; the rows that finished leave the batch."""
@@ -85,9 +90,7 @@ class RoundBatch(RunningBatch):
         return len(self._rows)
 
     def admit(self, rows: List[Row]) -> None:
-        if len(self._rows) + len(rows) > self.capacity:
-            raise ValueError("%d rows admitted to a batch of %d running rows and capacity %d"
-                             % (len(rows), len(self._rows), self.capacity))
+        self._check_room(rows)
         self._rows.extend(rows)
 
     def cancel(self, row: Row) -> None:
@@ -132,9 +135,7 @@ class IterationBatch(RunningBatch):
         return len(self._rows)
 
     def admit(self, rows: List[Row]) -> None:
-        if len(self._rows) + len(rows) > self.capacity:
-            raise ValueError("%d rows admitted to a batch of %d running rows and capacity %d"
-                             % (len(rows), len(self._rows), self.capacity))
+        self._check_room(rows)
         if not rows:
             return
         sample = self.model.batch([row.source for row in rows])

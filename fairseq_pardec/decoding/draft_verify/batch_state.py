@@ -253,16 +253,20 @@ class Batch:
                 self.sources[row] = source
             else:
                 self.sources.append(source)
-        # the encoder's output of the active rows, then theirs, joined when read (the cache
-        # projects theirs: the lean and fast steps read it no more)
-        self._joining.append((self.encoder_rows, len(self.rows_host) - count, other.encoder_out))
-        self.encoder_rows = torch.arange(len(self.rows_host), device=self.device)
         if not self.step.reads_encoder_out(self.cache):  # started: the new rows join it
             self.step.join_rows(self.cache, other.encoder_out, count)
             # their entries before their first are holes, which fairseq's steps never have
             self.exact_so_far = False
-        else:
+            # the cache holds every row's projected encoder output, and nothing reads the
+            # encoder's own again (the drafters that join rows read none): none is kept, so
+            # that a batch running for hours holds no output of the rows it has served
+            self._joining = []
+            self._encoder_out_all = self._encoder_out = None
+        else:  # the encoder's output of the active rows, then theirs, joined when first read
+            self._joining.append((self.encoder_rows, len(self.rows_host) - count,
+                                  other.encoder_out))
             self.exact_so_far = self.exact_so_far and other.exact_so_far
+        self.encoder_rows = torch.arange(len(self.rows_host), device=self.device)
         # the margins in force grow while the model's first rows are measured
         # (step/calibration.py): the later batch's apply to every row from now on
         if other.guard is not None and self.guard is not None and other.guard > self.guard:
@@ -418,6 +422,10 @@ class Batch:
     @property
     def encoder_out(self):
         """The encoder's output for the active rows."""
+        if self._encoder_out is None:
+            raise RuntimeError("rows joined this running batch after its first iteration: the "
+                               "decoder step's cache holds their encoder output, and the batch "
+                               "keeps none")
         if self._joining:  # rows joined since the last read: their outputs after the others'
             joins, self._joining = self._joining, []
             for rows, count, theirs in joins:
