@@ -91,8 +91,11 @@ class Batch:
     def __init__(self, generator, step: DecoderStep, bsz: int,
                  max_len: int, bos: int, prefix: Optional[Tensor], device,
                  guard: Optional[float] = None, margins=None,
-                 row_max_len: Optional[np.ndarray] = None, sources: Optional[Tensor] = None):
+                 row_max_len: Optional[np.ndarray] = None, sources: Optional[Tensor] = None,
+                 bos_token: Optional[int] = None):
         self.generator = generator
+        # the BOS the caller gave (None: fairseq's default), as the guard's replays pass it on
+        self.bos_token = bos_token
         # the decoder step of this batch, chosen when it started (its cache is this step's)
         self.step = step
         self.device = torch.device(device)

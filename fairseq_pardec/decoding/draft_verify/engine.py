@@ -206,13 +206,16 @@ class DraftVerifyGenerator(StatsGenerator):
     def _generate(self, sample, prefix_tokens=None, bos_token=None, **unused):
         batch = self._start(sample, prefix_tokens, bos_token)
         while batch.rows_host:
-            self.iterate(batch)
+            self._iterate(batch)
         return batch.finalized
 
     @torch.no_grad()
     def iterate(self, batch: Batch) -> List[int]:
         """One iteration of every active row: draft, verify, decide, commit; returns the ids
         of the rows that finished (their hypotheses are in ``batch.finalized``) and left."""
+        return self._iterate(batch)
+
+    def _iterate(self, batch: Batch) -> List[int]:
         block = self._draft(batch)
         features, lprobs, forced, native = self._verify(batch, block)
         # 3. what each row keeps: decided on the host from one read of the device
@@ -291,8 +294,7 @@ class DraftVerifyGenerator(StatsGenerator):
                 guard = margins.step
                 self.stats.margins = margins.describe()
         batch = Batch(self, step, bsz, max_len, bos, prefix_tokens, device, guard, margins,
-                      row_max_len=row_max_len, sources=src_tokens)
-        batch.bos_token = bos_token
+                      row_max_len=row_max_len, sources=src_tokens, bos_token=bos_token)
         with batch.encoder_timer:
             batch.set_encoder_out(encode(net_input))
         with batch.drafter_timer:
@@ -438,13 +440,14 @@ class DraftVerifyGenerator(StatsGenerator):
         their ids are free again."""
         gone = set(ids)
         alive = [r for r, row in enumerate(batch.rows_host) if row not in gone]
-        if len(alive) == len(batch.rows_host):
+        leaving = [row for row in batch.rows_host if row in gone]  # (ids not running stay)
+        if not leaving:
             return
         if alive:
             batch.keep(alive)
         else:
             batch.rows_host = []
-        batch.release([row for row in ids])
+        batch.release(leaving)
 
 
 def build_draft_verify(task, models, args, drafter, acceptance, name, seed=None,
