@@ -37,6 +37,12 @@ def generator_for(model, d, name, **kwargs):
     return generator
 
 
+def random_model(words, seed):
+    """A dictionary of ``words`` words and a tiny random transformer on it."""
+    d = make_dictionary(words)
+    return d, tiny_transformer(make_task(d), seed=seed)
+
+
 def alone(model, d, sources):
     """Each sentence decoded alone by fairseq's SequenceGenerator (beam 1)."""
     return [fairseq_greedy(model, d, collate(d, [s]), **LIMITS)[0][0] for s in sources]
@@ -95,8 +101,7 @@ def random_sources(d, count, seed, lo=2, hi=30):
 @pytest.mark.parametrize("name", ["lean_greedy", "iad", "lookup", "auto"])
 @pytest.mark.parametrize("seed, step", [(0, "fast"), (1, "fast"), (2, "lean")])
 def test_random_model_random_schedule_equals_greedy_alone(name, seed, step):
-    d = make_dictionary(40)
-    model = tiny_transformer(make_task(d), seed=seed)
+    d, model = random_model(40, seed=seed)
     sources = random_sources(d, 24, seed)
     generator = generator_for(model, d, name, fast=step == "fast")
     assert type(generator.block_decoder).__name__ == {"fast": "FastBlockDecoder",
@@ -140,8 +145,7 @@ def test_every_decision_replayed_on_the_rows_own_sentence(copy_model, name):
 
 
 def test_row_ids_are_taken_again_once_released():
-    d = make_dictionary(30)
-    model = tiny_transformer(make_task(d), seed=5)
+    d, model = random_model(30, seed=5)
     generator = generator_for(model, d, "lean_greedy")
     sources = random_sources(d, 6, seed=5, lo=2, hi=6)
     batch = generator.open(collate(d, sources[:2]))
@@ -154,8 +158,7 @@ def test_row_ids_are_taken_again_once_released():
 
 
 def test_module_step_refuses_joining_in_one_line():
-    d = make_dictionary(30)
-    model = tiny_transformer(make_task(d), seed=5)
+    d, model = random_model(30, seed=5)
     generator = generator_for(model, d, "lean_greedy", lean=False, fast=False)
     with pytest.raises(UsageError, match="running batch"):
         generator.open(collate(d, random_sources(d, 2, seed=1)))
@@ -174,8 +177,7 @@ class _Served:
 def test_the_servers_batch_takes_rows_at_every_iteration():
     from fairseq_pardec.serve.running_batch import IterationBatch, Row, running_batch_for
 
-    d = make_dictionary(40)
-    model = tiny_transformer(make_task(d), seed=11)
+    d, model = random_model(40, seed=11)
     sources = random_sources(d, 9, seed=11, lo=8, hi=20)
     served = _Served(generator_for(model, d, "iad"), d)
     batch = running_batch_for(served, capacity=4, batching="join")
@@ -201,8 +203,7 @@ def test_the_servers_batch_takes_rows_at_every_iteration():
 def test_the_server_decodes_in_rounds_where_rows_cannot_join(caplog):
     from fairseq_pardec.serve.running_batch import RoundBatch, running_batch_for
 
-    d = make_dictionary(30)
-    model = tiny_transformer(make_task(d), seed=5)
+    d, model = random_model(30, seed=5)
     served = _Served(generator_for(model, d, "lean_greedy", lean=False, fast=False), d)
     with caplog.at_level("INFO", logger="fairseq_pardec.serve"):
         assert isinstance(running_batch_for(served, 4, "join"), RoundBatch)
@@ -245,8 +246,7 @@ def test_joining_rows_take_the_room_rows_left_before_copying():
 def test_rows_join_before_the_first_iteration_and_after_rows_left(step):
     """Joins before the batch's first call (its cache then projects every row's encoder output
     at once) and after rows left (their places taken by the last rows)."""
-    d = make_dictionary(40)
-    model = tiny_transformer(make_task(d), seed=4)
+    d, model = random_model(40, seed=4)
     sources = random_sources(d, 12, seed=4, lo=2, hi=25)
     generator = generator_for(model, d, "iad", fast=step == "fast")
     first = collate(d, sources[:4])
@@ -269,8 +269,7 @@ def test_rows_join_before_the_first_iteration_and_after_rows_left(step):
 
 
 def test_a_running_batch_keeps_no_encoder_output_of_the_rows_it_served():
-    d = make_dictionary(30)
-    model = tiny_transformer(make_task(d), seed=6)
+    d, model = random_model(30, seed=6)
     generator = generator_for(model, d, "lean_greedy")
     sources = random_sources(d, 8, seed=6, lo=4, hi=10)
     batch = generator.open(collate(d, sources[:2]))
@@ -278,6 +277,6 @@ def test_a_running_batch_keeps_no_encoder_output_of_the_rows_it_served():
     for source in sources[2:]:
         generator.join(batch, collate(d, [source]))
         generator.iterate(batch)
-    assert batch._joining == [] and batch._encoder_out_all is None
+    assert batch._encoder_out_all is None
     with pytest.raises(RuntimeError, match="keeps none"):
         batch.encoder_out

@@ -56,3 +56,12 @@ def test_the_soak_counts_every_answer_per_chunk(served, cli_data, stock_checkpoi
     import os
 
     assert resident_mb(os.getpid()) > 1.0  # read from /proc on Linux
+
+
+def test_a_soak_chunk_of_no_time_is_refused_naming_the_flag(tmp_path):
+    from fairseq_pardec.benchmark.serve import main
+    from fairseq_pardec.errors import UsageError
+
+    with pytest.raises(UsageError, match="--soak-chunk"):
+        main(["--input", str(tmp_path / "texts"), "--variants", "url", "--url",
+              "http://127.0.0.1:1/", "--soak", "10", "--soak-chunk", "0"])

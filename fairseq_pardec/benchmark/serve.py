@@ -339,6 +339,8 @@ def main(argv=None):
         raise UsageError("give the server's options (DATA --path CKPT ...) after the benchmark's")
     if options.requests < 1 or any(rate <= 0 for rate in options.rates):
         raise UsageError("--requests must be >= 1 and every --rates value > 0")
+    if options.soak < 0 or options.soak_chunk <= 0:
+        raise UsageError("--soak must be >= 0 seconds and --soak-chunk > 0 seconds")
     try:
         with open(options.input, encoding="utf-8") as f:
             texts = [line.rstrip("\n") for line in f if line.strip()][:options.max_sentences]

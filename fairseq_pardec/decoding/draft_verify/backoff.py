@@ -62,6 +62,11 @@ class DraftBackoff:
             wait = min(2 ** (excess - 1), self.LONGEST_WAIT) if failed and excess > 0 else 0
             self.resume[r] = iteration + 1 + wait
 
+    def extend(self, other: "DraftBackoff"):
+        """``other``'s rows after these (rows joining a running batch)."""
+        self.failures = self.failures + other.failures
+        self.resume = self.resume + other.resume
+
     def keep(self, alive: Tensor):
         """Keep (and reorder) rows, as the engine does when finished rows leave."""
         order = alive.tolist()

@@ -18,10 +18,11 @@ from torch import Tensor
 from fairseq_pardec.decoding.decode_stats import PartTimer
 from fairseq_pardec.decoding.draft_verify.decisions import Outcome
 from fairseq_pardec.decoding.draft_verify.margin_guard import RowReplay
-from fairseq_pardec.decoding.draft_verify.drafters.base import pad_drafts
+from fairseq_pardec.decoding.draft_verify.drafters.base import pad_drafts, place_rows
 from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.interface import DecoderStep
+from fairseq_pardec.decoding.step.lean import cat_padded, joined_padding
 from fairseq_pardec.decoding.step.native import (DECIDE_EOS, DECIDE_SLOTS, DECIDE_TABLES,
                                                 native_kernel)
 
@@ -30,42 +31,23 @@ def join_encoder_outs(a: dict, rows_a: int, b: dict, rows_b: int) -> dict:
     """Two batches' encoder outputs (fairseq's dictionary), one batch after the other; the
     shorter source is padded at its end and marked as padding."""
     out = {}
-    a_len, b_len = a["encoder_out"][0].size(0), b["encoder_out"][0].size(0)
-    source = max(a_len, b_len)
-
-    def padded(t: Tensor, length: int, dim: int, value=0) -> Tensor:
-        if length == source:
-            return t
-        shape = list(t.shape)
-        shape[dim] = source - length
-        return torch.cat([t, t.new_full(shape, value)], dim=dim)
-
     for key in a:
         x, y = a[key], b.get(key, [])
         if not x or not y:
             out[key] = []
         elif key in ("encoder_out", "encoder_states"):  # (S, B, C)
-            out[key] = [torch.cat([padded(p, a_len, 0), padded(q, b_len, 0)], dim=1)
-                        for p, q in zip(x, y)]
+            out[key] = [cat_padded(p, q, source_dim=0, rows_dim=1) for p, q in zip(x, y)]
         elif key == "encoder_embedding":  # (B, S, C)
-            out[key] = [torch.cat([padded(x[0], a_len, 1), padded(y[0], b_len, 1)], dim=0)]
+            out[key] = [cat_padded(x[0], y[0], source_dim=1, rows_dim=0)]
         elif key == "src_lengths":
             out[key] = [torch.cat([x[0], y[0]], dim=0)]
         else:  # read by no decoder step (src_tokens, fc_results): left out
             out[key] = []
-    device = a["encoder_out"][0].device
-
-    def pad_of(encoder_out: dict, rows: int, length: int) -> Tensor:
-        mask = torch.ones(rows, source, dtype=torch.bool, device=device)
-        given = encoder_out.get("encoder_padding_mask") or []
-        mask[:, :length] = given[0] if given else False
-        return mask
-
-    if a_len != b_len or a.get("encoder_padding_mask") or b.get("encoder_padding_mask"):
-        out["encoder_padding_mask"] = [torch.cat([pad_of(a, rows_a, a_len),
-                                                  pad_of(b, rows_b, b_len)], dim=0)]
-    else:
-        out["encoder_padding_mask"] = []
+    states_a, states_b = a["encoder_out"][0], b["encoder_out"][0]
+    pad = joined_padding((a.get("encoder_padding_mask") or [None])[0],
+                         (b.get("encoder_padding_mask") or [None])[0], rows_a, rows_b,
+                         states_a.size(0), states_b.size(0), states_a.device)
+    out["encoder_padding_mask"] = [] if pad is None else [pad]
     return out
 
 
@@ -251,25 +233,22 @@ class Batch:
         self.rows = torch.cat([self.rows, to_device(torch.tensor(ids), self.device)])
         if not isinstance(self.sources, list):
             self.sources = list(self.sources)
-        for row, source in zip(ids, other.sources):
-            if row < len(self.sources):
-                self.sources[row] = source
-            else:
-                self.sources.append(source)
+        place_rows(self, other, ("sources",), ids)
+        joined = None
         if not self.step.reads_encoder_out(self.cache):  # started: the new rows join it
             self.step.join_rows(self.cache, other.encoder_out, count)
             # their entries before their first are holes, which fairseq's steps never have
             self.exact_so_far = False
-            # the cache holds every row's projected encoder output, and nothing reads the
-            # encoder's own again (the drafters that join rows read none): none is kept, so
-            # that a batch running for hours holds no output of the rows it has served
-            self._joining = []
-            self._encoder_out_all = self._encoder_out = None
-        else:  # the encoder's output of the active rows, then theirs, joined when first read
-            self._joining.append((self.encoder_rows, len(self.rows_host) - count,
-                                  other.encoder_out))
+        else:  # not run yet: its first call projects every row's encoder output
+            joined = join_encoder_outs(self.encoder_out, len(self.rows_host) - count,
+                                       other.encoder_out, count)
             self.exact_so_far = self.exact_so_far and other.exact_so_far
         self.encoder_rows = torch.arange(len(self.rows_host), device=self.device)
+        # once the cache holds every row's projected encoder output nothing reads the
+        # encoder's own again (the drafters that join rows read none): none is kept, so that
+        # a batch running for hours holds no output of the rows it has served
+        self._encoder_out_all = joined
+        self._encoder_out = None if joined is None else (self.encoder_rows, joined)
         # the margins in force grow while the model's first rows are measured
         # (step/calibration.py): the later batch's apply to every row from now on
         if other.guard is not None and self.guard is not None and other.guard > self.guard:
@@ -418,9 +397,6 @@ class Batch:
         read (``encoder_out``): the fast step reads it once, when the batch starts."""
         self._encoder_out_all = encoder_out
         self._encoder_out = (self.encoder_rows, encoder_out)
-        # rows that joined since (absorb): (the rows' encoder rows then, their count, the
-        # joining rows' encoder output), joined when next read
-        self._joining = []
 
     @property
     def encoder_out(self):
@@ -429,14 +405,6 @@ class Batch:
             raise RuntimeError("rows joined this running batch after its first iteration: the "
                                "decoder step's cache holds their encoder output, and the batch "
                                "keeps none")
-        if self._joining:  # rows joined since the last read: their outputs after the others'
-            joins, self._joining = self._joining, []
-            for rows, count, theirs in joins:
-                mine = self.generator.model.encoder.reorder_encoder_out(self._encoder_out_all,
-                                                                        rows)
-                self._encoder_out_all = join_encoder_outs(mine, count, theirs,
-                                                          theirs["encoder_out"][0].size(1))
-                self._encoder_out = (None, None)
         rows, encoder_out = self._encoder_out
         if rows is not self.encoder_rows:
             encoder_out = self.generator.model.encoder.reorder_encoder_out(

@@ -44,7 +44,8 @@ from torch import Tensor
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.block_decoder import keep_bounds
 from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
-from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, join_sources, lean_supported
+from fairseq_pardec.decoding.step.lean import (LeanBlockDecoder, join_sources, joined_padding,
+                                               lean_supported)
 from fairseq_pardec.decoding.step.margins import CPU_FP32_MARGIN
 from fairseq_pardec.decoding.step.output_projection import plain_output_projection
 from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
@@ -624,7 +625,8 @@ class FastBlockDecoder(LeanBlockDecoder):
         self._start(new, encoder_out, rows, keys.device, keys.dtype, weights=cache.weights)
         old, length = cache.batch, cache.length
         source, theirs = cache.enc_keys[0].size(2), new.enc_keys[0].size(2)
-        attend = cache.enc_attend
+        pad_a = None if cache.enc_attend is None else ~cache.enc_attend.view(old, -1)
+        pad_b = None if new.enc_attend is None else ~new.enc_attend.view(rows, -1)
         if theirs <= source:  # their sources fit: written into the rows' room, padded
             def placed(mine: Tensor, their: Tensor) -> Tensor:
                 out = _with_rows(mine, old, old + rows)
@@ -633,19 +635,12 @@ class FastBlockDecoder(LeanBlockDecoder):
 
             cache.enc_keys = [placed(a, b) for a, b in zip(cache.enc_keys, new.enc_keys)]
             cache.enc_values = [placed(a, b) for a, b in zip(cache.enc_values, new.enc_values)]
-            if attend is not None or new.enc_attend is not None or theirs < source:
-                mine = (attend if attend is not None else
-                        torch.ones(old, 1, 1, source, dtype=torch.bool, device=keys.device))
-                their = torch.zeros(rows, 1, 1, source, dtype=torch.bool, device=keys.device)
-                their[..., :theirs] = True if new.enc_attend is None else new.enc_attend
-                cache.enc_attend = torch.cat([mine, their], dim=0)
+            pad = joined_padding(pad_a, pad_b, old, rows, source, theirs, keys.device)
         else:  # a longer source: every row's are padded to it
-            pad_a = None if attend is None else ~attend.view(old, -1)
-            pad_b = None if new.enc_attend is None else ~new.enc_attend.view(rows, -1)
             cache.enc_keys, cache.enc_values, pad = join_sources(
                 cache.enc_keys, cache.enc_values, pad_a, new.enc_keys, new.enc_values, pad_b,
                 old, rows, source_dim=2, rows_dim=0)
-            cache.enc_attend = None if pad is None else (~pad).view(old + rows, 1, 1, -1)
+        cache.enc_attend = None if pad is None else (~pad).view(old + rows, 1, 1, -1)
 
         # new lists: the native step's table of the buffers is rebuilt (layer_stack.py)
         cache.keys = [_with_rows(k, old, old + rows) for k in cache.keys]

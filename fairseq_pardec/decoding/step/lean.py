@@ -77,36 +77,51 @@ def lean_supported(decoder) -> bool:
     return True
 
 
+def padded_to(t: Tensor, length: int, dim: int) -> Tensor:
+    """``t`` with zeros after its end along ``dim`` up to ``length``."""
+    if t.size(dim) == length:
+        return t
+    shape = list(t.shape)
+    shape[dim] = length - t.size(dim)
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def cat_padded(a: Tensor, b: Tensor, source_dim: int, rows_dim: int) -> Tensor:
+    """Two batches' tensors one after the other along ``rows_dim``; the shorter source (along
+    ``source_dim``) is padded at its end."""
+    source = max(a.size(source_dim), b.size(source_dim))
+    return torch.cat([padded_to(a, source, source_dim), padded_to(b, source, source_dim)],
+                     dim=rows_dim)
+
+
+def joined_padding(pad_a: Optional[Tensor], pad_b: Optional[Tensor], rows_a: int, rows_b: int,
+                   length_a: int, length_b: int, device) -> Optional[Tensor]:
+    """The (B, S) source padding of two batches one after the other (True: not a source
+    position), the shorter source padded at its end; None where neither batch has any and
+    their sources are as long."""
+    if pad_a is None and pad_b is None and length_a == length_b:
+        return None
+    source = max(length_a, length_b)
+
+    def whole(pad: Optional[Tensor], rows: int, length: int) -> Tensor:
+        out = torch.ones(rows, source, dtype=torch.bool, device=device)
+        out[:, :length] = False if pad is None else pad.view(rows, length)
+        return out
+
+    return torch.cat([whole(pad_a, rows_a, length_a), whole(pad_b, rows_b, length_b)], dim=0)
+
+
 def join_sources(keys_a: List[Tensor], values_a: List[Tensor], pad_a: Optional[Tensor],
                  keys_b: List[Tensor], values_b: List[Tensor], pad_b: Optional[Tensor],
                  rows_a: int, rows_b: int, source_dim: int, rows_dim: int):
     """Two batches' projected encoder keys and values per layer, one batch after the other;
     the shorter source is padded at its end. Returns the keys, the values and the (B, S) source
     padding (True: not a source position; None: no row has any)."""
-    s_a, s_b = keys_a[0].size(source_dim), keys_b[0].size(source_dim)
-    source = max(s_a, s_b)
-
-    def padded(t: Tensor, length: int) -> Tensor:
-        if length == source:
-            return t
-        shape = list(t.shape)
-        shape[source_dim] = source - length
-        return torch.cat([t, t.new_zeros(shape)], dim=source_dim)
-
-    keys = [torch.cat([padded(a, s_a), padded(b, s_b)], dim=rows_dim)
-            for a, b in zip(keys_a, keys_b)]
-    values = [torch.cat([padded(a, s_a), padded(b, s_b)], dim=rows_dim)
-              for a, b in zip(values_a, values_b)]
-    if pad_a is None and pad_b is None and s_a == s_b:
-        return keys, values, None
-    device = keys[0].device
-
-    def pad_of(pad: Optional[Tensor], rows: int, length: int) -> Tensor:
-        out = torch.ones(rows, source, dtype=torch.bool, device=device)
-        out[:, :length] = False if pad is None else pad.view(rows, length)
-        return out
-
-    return keys, values, torch.cat([pad_of(pad_a, rows_a, s_a), pad_of(pad_b, rows_b, s_b)], 0)
+    keys = [cat_padded(a, b, source_dim, rows_dim) for a, b in zip(keys_a, keys_b)]
+    values = [cat_padded(a, b, source_dim, rows_dim) for a, b in zip(values_a, values_b)]
+    pad = joined_padding(pad_a, pad_b, rows_a, rows_b, keys_a[0].size(source_dim),
+                         keys_b[0].size(source_dim), keys[0].device)
+    return keys, values, pad
 
 
 class LeanCache:

@@ -278,8 +278,7 @@ class DraftSchedule:
         """The rows of ``other`` (a fresh batch's schedule) join this batch as the rows
         ``ids``, after its active rows. A quiet spell ends: it was priced without them."""
         if self.backoff is not None:
-            self.backoff.failures = self.backoff.failures + other.backoff.failures
-            self.backoff.resume = self.backoff.resume + other.backoff.resume
+            self.backoff.extend(other.backoff)
         for kind, caps in self.caps.items():
             if caps.on_host:
                 place_rows(caps, other.caps[kind], AdaptiveCaps.ROW_FIELDS, ids)
