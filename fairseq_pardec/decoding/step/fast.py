@@ -360,8 +360,18 @@ class FastBlockDecoder(LeanBlockDecoder):
             x += pos
         return x
 
-    def _start(self, cache: FastCache, encoder_out, bsz: int, device, dtype, weights=None):
-        cache.weights = self._prepared() if weights is None else weights
+    def _start(self, cache: FastCache, encoder_out, bsz: int, device, dtype):
+        cache.weights = self._prepared()
+        self._project_sources(cache, encoder_out, bsz)
+        for layer in cache.weights.layers:
+            shape = (bsz, layer.heads, _INITIAL_CAPACITY, layer.head_dim)
+            cache.keys.append(torch.zeros(shape, device=device, dtype=dtype))
+            cache.values.append(torch.zeros(shape, device=device, dtype=dtype))
+        cache.batch = bsz
+
+    def _project_sources(self, cache: FastCache, encoder_out, bsz: int):
+        """The encoder's keys and values of every layer, with ``cache.weights``, into
+        ``cache`` (and its source padding)."""
         enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)
         cache.enc_attend = None
         if enc_pad is not None and bool(enc_pad.any()):
@@ -374,10 +384,6 @@ class FastBlockDecoder(LeanBlockDecoder):
             kv = kv.view(source, bsz, 2, heads, head_dim).permute(2, 1, 3, 0, 4)
             cache.enc_keys.append(kv[0].contiguous())
             cache.enc_values.append(kv[1].contiguous())
-            shape = (bsz, layer.heads, _INITIAL_CAPACITY, layer.head_dim)
-            cache.keys.append(torch.zeros(shape, device=device, dtype=dtype))
-            cache.values.append(torch.zeros(shape, device=device, dtype=dtype))
-        cache.batch = bsz
 
     @staticmethod
     def _reserve(cache: FastCache, needed: int):
@@ -622,7 +628,8 @@ class FastBlockDecoder(LeanBlockDecoder):
         the entries before their first are masked (holes)."""
         keys = cache.keys[0]
         new = FastCache()
-        self._start(new, encoder_out, rows, keys.device, keys.dtype, weights=cache.weights)
+        new.weights = cache.weights
+        self._project_sources(new, encoder_out, rows)
         old, length = cache.batch, cache.length
         source, theirs = cache.enc_keys[0].size(2), new.enc_keys[0].size(2)
         pad_a = None if cache.enc_attend is None else ~cache.enc_attend.view(old, -1)
