@@ -11,33 +11,33 @@ from pathlib import Path
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
-STEP = Path(__file__).resolve().parent / "fairseq_pardec" / "decoding" / "step"
-NATIVE = "fairseq_pardec.decoding.step.libpardec_native"
+NATIVE_DIR = Path(__file__).resolve().parent / "fairseq_pardec" / "native"
+NATIVE = "fairseq_pardec.native.libpardec_native"
 
 
-def _step_module(name):
-    """decoding/step/<name>.py, loaded by path (the package imports torch)."""
-    spec = importlib.util.spec_from_file_location("_pardec_" + name, STEP / (name + ".py"))
+def _native_module(name):
+    """native/<name>.py, loaded by path (the package imports torch)."""
+    spec = importlib.util.spec_from_file_location("_pardec_" + name, NATIVE_DIR / (name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def _native_build():
-    return _step_module("native_build")
+    return _native_module("build")
 
 
 def _native_file():
-    return _step_module("native_file")
+    return _native_module("file_check")
 
 
 class BuildNativeKernels(build_ext):
     """The native kernels as one shared library (loaded with ctypes, linked against neither
     Python, torch nor an OpenMP runtime): each kernel source compiled once per variant of
     native_build.variants(), one dispatcher binding the CPU's best variant at load time. A
-    failed build leaves the package without the library, never the install failed: native.py
+    failed build leaves the package without the library, never the install failed: native/library.py
     then builds the kernels for the machine on first use. The library goes into place with its
-    checksum beside it (native_file.py), which native.py checks before loading it."""
+    checksum beside it (native/file_check.py), which native/library.py checks before loading it."""
 
     def get_ext_filename(self, fullname):
         # a plain name, no Python ABI tag: the library is not a Python module (asked by full
@@ -63,16 +63,16 @@ class BuildNativeKernels(build_ext):
         names = []
         for name, flags in build.variants():
             objects += self.compiler.compile(
-                [str(STEP / source) for source in build.KERNEL_SOURCES],
+                [str(NATIVE_DIR / source) for source in build.KERNEL_SOURCES],
                 output_dir=str(temp / name), macros=[("PARDEC_ISA", name)],
-                include_dirs=[str(STEP)], extra_postargs=flags + ["-g0"])
+                include_dirs=[str(NATIVE_DIR)], extra_postargs=flags + ["-g0"])
             names.append(name)
         objects += self.compiler.compile(
-            [str(STEP / source) for source in build.COMMON_SOURCES],
+            [str(NATIVE_DIR / source) for source in build.COMMON_SOURCES],
             output_dir=str(temp / "common"),
             macros=[("PARDEC_VARIANTS", build.variants_macro(names)),
                     ("PARDEC_SOURCE_DIGEST", '"%s"' % build.source_digest())],
-            include_dirs=[str(STEP)], extra_postargs=["-O2", "-g0"])
+            include_dirs=[str(NATIVE_DIR)], extra_postargs=["-O2", "-g0"])
         linked = temp / build.LIBRARY_NAME
         self.compiler.link_shared_object(objects, str(linked), libraries=["m"])
         output = Path(self.get_ext_fullpath(ext.name))
@@ -85,8 +85,8 @@ class BuildNativeKernels(build_ext):
         that has it mapped dies of SIGBUS, and a copy cut short stays). The package's one
         extension is the library."""
         built = Path(self.build_lib) / self.get_ext_filename(NATIVE)
-        if built.exists():  # else the build failed: native.py builds the kernels on first use
-            _native_file().install(built, STEP / _native_build().LIBRARY_NAME)
+        if built.exists():  # else the build failed: native/library.py builds the kernels on first use
+            _native_file().install(built, NATIVE_DIR / _native_build().LIBRARY_NAME)
 
     def get_outputs(self):
         suffix = _native_file().CHECKSUM_SUFFIX
@@ -111,10 +111,10 @@ setup(
     description="Blockwise, aggressive (IAD/GAD) and interleaved bidirectional decoding for fairseq",
     packages=find_packages(include=["fairseq_pardec", "fairseq_pardec.*"]),
     # the native kernels: built at install time (BuildNativeKernels); their sources ship too,
-    # for the build at run time where the install could not compile them (decoding/step/native.py)
+    # for the build at run time where the install could not compile them (native/library.py)
     ext_modules=[Extension(NATIVE, sources=[], optional=True)],
     cmdclass={"build_ext": BuildNativeKernels},
-    package_data={"fairseq_pardec.decoding.step": ["native_*.c", "native_*.h"],
+    package_data={"fairseq_pardec.native": ["*.c", "*.h"],
                   "fairseq_pardec.serve": ["page.html"]},
     python_requires=">=3.11",
     install_requires=[

@@ -18,7 +18,7 @@ git ls-files -z --cached --others --exclude-standard \
     | tar --null --files-from=- --ignore-failed-read -cf - 2>/dev/null | tar -xf - -C "$WORK/src"
 (cd "$WORK/src" && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" .)
 WHEEL=$(ls "$WORK"/dist/fairseq_pardec-*.whl)
-unzip -l "$WHEEL" | grep -q "fairseq_pardec/decoding/step/libpardec_native.so" \
+unzip -l "$WHEEL" | grep -q "fairseq_pardec/native/libpardec_native.so" \
     || { echo "wheel check: FAILED: $WHEEL holds no native library" >&2; exit 1; }
 
 "$PY" -m venv --without-pip "$WORK/venv"

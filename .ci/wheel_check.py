@@ -16,8 +16,8 @@ from fairseq.models.transformer import TransformerModel, base_architecture
 from fairseq.sequence_generator import SequenceGenerator
 
 import fairseq_pardec
-from fairseq_pardec.decoding.step import native
-from fairseq_pardec.decoding.step.products import NATIVE
+from fairseq_pardec.native import library as native
+from fairseq_pardec.decoding.cpu.products import NATIVE
 from fairseq_pardec.tasks.translation_pardec import TranslationPardecConfig, TranslationPardecTask
 
 
@@ -34,7 +34,7 @@ def main():
     kernel = native.native_kernel()
     if kernel is None:
         fail("no native kernel: %s" % native.native_unavailable_reason())
-    if not kernel.installed or kernel.path.parent != package / "decoding" / "step":
+    if not kernel.installed or kernel.path.parent != package / "native":
         fail("the native kernel was not the installed one: %s" % kernel.path)
     built = list(Path(os.environ["FAIRSEQ_PARDEC_CACHE"]).glob("native-*.so"))
     if built:

@@ -18,7 +18,7 @@ apart see nearly the same machine.
 
 Both checkouts must have ``fairseq_pardec.benchmark.runner``'s ``load``, ``batches`` and
 ``build`` as this script calls them (``e0e44bf``, 2026-11-25, introduced them). A native library built from other sources
-than the installed one is built at run time into the cache for that checkout (native.py).
+than the installed one is built at run time into the cache for that checkout (native/library.py).
 """
 
 import argparse

@@ -8,7 +8,7 @@ model with an 8k vocabulary) do not stay in the caches from one step to the next
 is bound by how fast the weights stream in. This script times the whole chain, in the order a
 step runs it, three ways: MKL's ``addmm`` on transposed copies (the fast step before oneDNN),
 ``F.linear`` (fairseq's modules), and oneDNN with every weight packed once
-(``decoding/step/fast.py``). Runs alternate between the kernels; each cell is the median of 5
+(``decoding/cpu/fast.py``). Runs alternate between the kernels; each cell is the median of 5
 alternating medians (of ``--calls`` calls each, after a warm-up of 3).
 
 usage: examples/decoder_products_cost.py CHECKPOINT [--rows 1 4 8 32 128 256] [--threads 2]

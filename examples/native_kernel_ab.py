@@ -4,7 +4,7 @@ decoding step timed alternately, library by library, median per shape.
     python examples/native_kernel_ab.py A.so B.so [C.so ...] [--rounds 30] [--calls 20]
 
 A library built before the OpenMP runtime was borrowed (linked with -fopenmp) runs as it is; one
-of this version (native_dispatch.c) gets torch's runtime handed over as native.py does. Timings
+of this version (native/dispatch.c) gets torch's runtime handed over as native/library.py does. Timings
 on a machine others use are noisy: compare only within one run, the libraries alternating.
 """
 
@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from fairseq_pardec.decoding.step import native
+from fairseq_pardec.native import library as native
 
 
 def load(path):

@@ -14,7 +14,7 @@ from fairseq_pardec.decoding.draft_verify.acceptance import (
     MinimumBlock,
     TopKAcceptance,
 )
-from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
+from fairseq_pardec.decoding.cpu.layer_stack import NativeLayerStack
 from fairseq_pardec.models.blockwise_transformer import BlockwiseTransformerModel
 
 from helpers import (by_id, collate, fairseq_greedy, make_dictionary, make_task, pooled, random_batch,

@@ -9,7 +9,7 @@ a hole, and a compaction must keep each row's entries in order.
 import torch
 
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.fast import FastBlockDecoder, FastCache
+from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder, FastCache
 
 
 def _cache(rows: int, capacity: int) -> FastCache:

@@ -19,7 +19,7 @@ from fairseq_pardec.benchmark.runner import divergence
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.static import StaticBlockDecoder
+from fairseq_pardec.decoding.cuda.static import StaticBlockDecoder
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer
 from test_engine_lossless import RandomDrafter, lengths
@@ -246,7 +246,7 @@ def test_slot_budget_bounds_memory_on_cuda():
     """Batches of six source buckets on a budget of two slots: at most two slots and their
     graphs stay, the device memory returns to the same level once the budget is full, and
     every replay equals the eager calls."""
-    from fairseq_pardec.decoding.step.slot_pool import SlotBudget
+    from fairseq_pardec.decoding.cuda.slot_pool import SlotBudget
 
     d = make_dictionary(50)
     model = tiny_transformer(make_task(d), seed=65).cuda()

@@ -114,7 +114,7 @@ def test_minimum_block_keeps_the_longer_of_the_run_and_the_floor():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_native_walk_decides_as_python(seed):
-    """The native walk (native_decide.c) keeps what Python's walk keeps, tables and outcome
+    """The native walk (native/decide.c) keeps what Python's walk keeps, tables and outcome
     alike, on random blocks with drafts that match for a while, EOS, and exact ties (rows the
     native walk leaves to Python's). Compared bit for bit: both walks add the same float32
     values in the same order, one IEEE single addition each, which rounds alike on every CPU."""

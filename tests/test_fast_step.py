@@ -8,14 +8,14 @@ from fairseq.sequence_generator import SequenceGenerator
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.draft_verify import margin_guard
 from fairseq_pardec.decoding.draft_verify.margin_guard import fairseq_decision, lead_is_certain
-from fairseq_pardec.decoding.step.fast import DEFAULT_MARGIN, FastBlockDecoder
+from fairseq_pardec.decoding.cpu.fast import DEFAULT_MARGIN, FastBlockDecoder
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
-from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
-from fairseq_pardec.decoding.step.factory import block_decoder_for
+from fairseq_pardec.decoding.cpu.fast_encoder import FastEncoder, fast_encoder_supported
+from fairseq_pardec.decoding.step_factory import block_decoder_for
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
 from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
-from fairseq_pardec.decoding.step.native import native_kernel, native_unavailable_reason
-from fairseq_pardec.decoding.step.products import (KERNEL_VARIABLE, KERNELS, MKL, NATIVE, ONEDNN,
+from fairseq_pardec.native.library import native_kernel, native_unavailable_reason
+from fairseq_pardec.decoding.cpu.products import (KERNEL_VARIABLE, KERNELS, MKL, NATIVE, ONEDNN,
                                                   KernelChoice, Linear)
 from fairseq_pardec.errors import UsageError
 
@@ -45,7 +45,7 @@ def test_fast_log_probs_within_the_guards_bound(overrides, ragged, kernel):
     log-probabilities, on the fast encoder's output, stay within a tenth of the guard's margin
     of fairseq's module path on fairseq's encoder, with each kernel for the products (the
     output projection's included) and with the one measured fastest per row count. On the
-    native kernel the layers run as one native call (layer_stack.py), or, with that call
+    native kernel the layers run as one native call (cpu/layer_stack.py), or, with that call
     turned off, as torch operations around native products."""
     stack = kernel != "native products"
     kernel = NATIVE if kernel == "native products" else kernel
@@ -79,7 +79,7 @@ def test_fast_encoder_output_is_fairseqs(overrides, kernel):
     """The fast encoder's dictionary is fairseq's: the same entries, masks and lengths, states
     within float32 rounding, on padded batches and on one sentence; the engine encodes with it
     only where it computes fairseq's function. With the native kernel the layers run as one
-    native call (layer_stack.py), or as torch operations around native products."""
+    native call (cpu/layer_stack.py), or as torch operations around native products."""
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=34, **overrides)
     assert fast_encoder_supported(model.encoder)

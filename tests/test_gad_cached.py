@@ -9,7 +9,7 @@ import torch
 from fairseq_pardec.decoding.registry import DraftVerifyGenerator
 from fairseq_pardec.decoding.draft_verify.acceptance import ExactAcceptance
 from fairseq_pardec.decoding.draft_verify.drafters import CachedNARDrafter
-from fairseq_pardec.decoding.step.fast import FastBlockDecoder
+from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
 from fairseq_pardec.models.glat_drafter import GlatDrafterModel
 

@@ -9,9 +9,10 @@ import threading
 import pytest
 import torch
 
-from fairseq_pardec.decoding.step import native_cache, products
-from fairseq_pardec.decoding.step.native import native_kernel
-from fairseq_pardec.decoding.step.products import (MKL, NATIVE, ONEDNN, KernelChoice, Linear,
+from fairseq_pardec.native import cache as native_cache
+from fairseq_pardec.decoding.cpu import products
+from fairseq_pardec.native.library import native_kernel
+from fairseq_pardec.decoding.cpu.products import (MKL, NATIVE, ONEDNN, KernelChoice, Linear,
                                                    _decide)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
-from fairseq_pardec.decoding.step.factory import block_decoder_for
+from fairseq_pardec.decoding.step_factory import block_decoder_for
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
 
 from helpers import make_dictionary, make_task, random_batch, tiny_transformer
@@ -132,9 +132,9 @@ def test_output_projection_without_onednn(monkeypatch):
 def test_every_step_declares_the_engines_interface():
     """Each step has every member the engine reads (step/interface.py), so that the engine
     never probes a step for one; steps without a fast path say so with honest defaults."""
-    from fairseq_pardec.decoding.step.fast import FastBlockDecoder
+    from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder
     from fairseq_pardec.decoding.step.interface import DecoderStep
-    from fairseq_pardec.decoding.step.static import StaticBlockDecoder
+    from fairseq_pardec.decoding.cuda.static import StaticBlockDecoder
 
     d = make_dictionary(30)
     model = tiny_transformer(make_task(d), seed=5)

@@ -127,7 +127,7 @@ def test_fallback_to_fairseqs_modules_is_logged_once(caplog):
     import logging
 
     from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-    from fairseq_pardec.decoding.step import factory
+    from fairseq_pardec.decoding import step_factory as factory
     from helpers import tiny_transformer
 
     d = make_dictionary(20)

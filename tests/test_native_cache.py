@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fairseq_pardec import env_flags
-from fairseq_pardec.decoding.step import native, native_file
+from fairseq_pardec.native import library as native, file_check as native_file
 from fairseq_pardec.errors import UsageError, one_line
 from test_native_kernel import _agrees_with_torch, _fresh, _needs_compiler, _needs_installed
 
@@ -179,7 +179,7 @@ _LOAD_IN_TURN = """
 import json, logging, shutil, sys
 from pathlib import Path
 import torch
-from fairseq_pardec.decoding.step import native
+from fairseq_pardec.native import library as native
 
 good, installed_libraries = sys.argv[1], sys.argv[2:]
 run = native._run

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_pardec.decoding.step import native, native_build, native_cache, native_file
-from fairseq_pardec.decoding.step.products import MKL, NATIVE, Linear
+from fairseq_pardec.native import library as native, build as native_build, cache as native_cache, file_check as native_file
+from fairseq_pardec.decoding.cpu.products import MKL, NATIVE, Linear
 
 
 def _fresh(monkeypatch, cache_dir, installed=True):
@@ -127,7 +127,7 @@ def test_threads_share_the_products_rows_bit_for_bit(monkeypatch, tmp_path):
 _SLEEPING_THREADS = """
 import hashlib, torch
 torch.set_num_threads(2)
-from fairseq_pardec.decoding.step import native
+from fairseq_pardec.native import library as native
 kernel = native.native_kernel()
 g = torch.Generator().manual_seed(1)
 weight = torch.randn(300, 64, generator=g)
@@ -355,11 +355,11 @@ def test_setup_builds_the_library_from_the_shipped_sources():
     """Every source the library is compiled from ships with the package (setup.py's
     package_data), so that the run-time build has them wherever the package is installed."""
     setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
-    assert '"native_*.c", "native_*.h"' in setup
+    assert '"fairseq_pardec.native": ["*.c", "*.h"]' in setup
     for name in (native_build.COMMON_SOURCES + native_build.KERNEL_SOURCES
                  + native_build.HEADERS):
         assert (native_build.HERE / name).exists()
-        assert name.startswith("native_") and name.endswith((".c", ".h"))
+        assert name.endswith((".c", ".h"))
 
 
 @pytest.mark.parametrize("unk_penalty", [0.0, 1.5])
@@ -391,7 +391,7 @@ def test_best_two_makes_fairseqs_token_edits(unk_penalty):
 
 
 def test_an_argument_table_in_another_order_is_refused(monkeypatch):
-    """native_decide.c names its decision table's slots; a table native.py keeps in another
+    """native_decide.c names its decision table's slots; a table native/library.py keeps in another
     order, of the same length, is refused when the library is loaded, not misread."""
     _needs_installed()
     kernel = native.native_kernel()

@@ -214,7 +214,7 @@ def test_the_server_decodes_in_rounds_where_rows_cannot_join(caplog):
 
 def test_every_step_is_what_the_protocols_declare():
     from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
-    from fairseq_pardec.decoding.step.fast import FastBlockDecoder
+    from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder
     from fairseq_pardec.decoding.step.interface import DecoderStep, DrafterStep
     from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
 
@@ -228,7 +228,7 @@ def test_every_step_is_what_the_protocols_declare():
 
 
 def test_joining_rows_take_the_room_rows_left_before_copying():
-    from fairseq_pardec.decoding.step.fast import _with_rows
+    from fairseq_pardec.decoding.cpu.fast import _with_rows
 
     t = torch.arange(24.0).view(4, 3, 2)
     kept = t[:2]  # two rows left the batch: their storage stays

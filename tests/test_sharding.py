@@ -97,7 +97,7 @@ SAME_COMPUTATION = ("beam", "greedy")
 # The H- score is the length-normalised sum of the token log-probabilities (over ln 2). A
 # drafting generator may verify other blocks in another process (its drafts are priced from
 # timings), so its products have other shapes and round otherwise: each token's log-probability
-# stays within the margin guard's bound of fairseq's (step/fast.py, DEFAULT_MARGIN = 5e-4) in
+# stays within the margin guard's bound of fairseq's (cpu/fast.py, DEFAULT_MARGIN = 5e-4) in
 # both runs, so the averages differ by at most twice that, / ln 2.
 SCORE_TOLERANCE = 2 * 5e-4 / math.log(2)
 

@@ -9,8 +9,8 @@ import torch
 
 from fairseq_pardec.decoding.draft_verify.drafters import NoDrafter
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.decoding.step.fast import FastBlockDecoder
-from fairseq_pardec.decoding.step.fast_encoder import FastEncoder
+from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder
+from fairseq_pardec.decoding.cpu.fast_encoder import FastEncoder
 from fairseq_pardec.decoding.step.output_projection import OutputProjection
 from fairseq_pardec.decoding.step.weights_key import WeightsKey
 

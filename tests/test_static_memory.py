@@ -1,4 +1,4 @@
-"""The static step's memory on the CPU (step/static.py, step/slot_pool.py, step/cuda_graphs.py):
+"""The static step's memory on the CPU (cuda/static.py, cuda/slot_pool.py, cuda/cuda_graphs.py):
 buffers sized once from the length limit, blocks that fill their bucket, a least-recently-used
 budget of slots and graphs, and out of memory during a capture, with the capture stubbed (a
 stub "graph" replays by running the call again into the outputs it recorded, the fixed
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.decoding.step import cuda_graphs
+from fairseq_pardec.decoding.cuda import cuda_graphs
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
-from fairseq_pardec.decoding.step.cuda_graphs import GraphSet, Recorded
+from fairseq_pardec.decoding.cuda.cuda_graphs import GraphSet, Recorded
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
-from fairseq_pardec.decoding.step.slot_pool import SlotBudget
-from fairseq_pardec.decoding.step.static import (StaticBlockDecoder, block_bucket, capacity_for,
+from fairseq_pardec.decoding.cuda.slot_pool import SlotBudget
+from fairseq_pardec.decoding.cuda.static import (StaticBlockDecoder, block_bucket, capacity_for,
                                                 draft_cap_for_bucket)
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer

@@ -1,4 +1,4 @@
-"""The static decoder step (step/static.py) run eagerly on the CPU: the code CUDA records as
+"""The static decoder step (cuda/static.py) run eagerly on the CPU: the code CUDA records as
 graphs (tests/test_cuda.py replays them) computes fairseq's decoder within the guard's margin,
 and the engine on it decides as fairseq greedy does."""
 
@@ -13,10 +13,10 @@ from fairseq_pardec.decoding.fairseq_rules import token_rules
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.factory import block_decoder_for
-from fairseq_pardec.decoding.step.fast import FastBlockDecoder
+from fairseq_pardec.decoding.step_factory import block_decoder_for
+from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
-from fairseq_pardec.decoding.step.static import (StaticBlockDecoder, batch_bucket, block_bucket,
+from fairseq_pardec.decoding.cuda.static import (StaticBlockDecoder, batch_bucket, block_bucket,
                                                 static_supported)
 
 from helpers import by_id, fairseq_greedy, make_dictionary, make_task, random_batch, tiny_transformer

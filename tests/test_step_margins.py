@@ -9,7 +9,7 @@ import torch
 from fairseq_pardec.decoding.draft_verify.drafters import Drafter, NoDrafter, pad_drafts
 from fairseq_pardec.decoding.registry import DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
-from fairseq_pardec.decoding.step.fast import FastBlockDecoder
+from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
 from fairseq_pardec.decoding.step.margins import (CPU_FP32_MARGIN, CUDA_FP32_MARGIN,
                                                   reduced_precision_matmuls,
@@ -71,8 +71,8 @@ class AlwaysDrafts(Drafter):
 
 
 def static_step_or_skip(decoder):
-    factory = pytest.importorskip("fairseq_pardec.decoding.step.factory")
-    static = pytest.importorskip("fairseq_pardec.decoding.step.static")
+    factory = pytest.importorskip("fairseq_pardec.decoding.step_factory")
+    static = pytest.importorskip("fairseq_pardec.decoding.cuda.static")
     if not static.static_supported(decoder):
         pytest.skip("the static step does not cover this decoder")
     return factory.block_decoder_for(decoder, static=True)

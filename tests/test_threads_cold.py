@@ -28,8 +28,8 @@ from fairseq_pardec.decoding.draft_verify.drafters import (CachedNARDrafter, NAR
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.decoding.step import native
-from fairseq_pardec.decoding.step.products import NATIVE
+from fairseq_pardec.native import library as native
+from fairseq_pardec.decoding.cpu.products import NATIVE
 
 from helpers import by_id, make_dictionary, make_task, random_batch, tiny_transformer
 from test_blockwise import blockwise_generator, blockwise_model

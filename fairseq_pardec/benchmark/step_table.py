@@ -23,7 +23,7 @@ from typing import Dict, List
 import torch
 
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.factory import block_decoder_for
+from fairseq_pardec.decoding.step_factory import block_decoder_for
 
 BLOCKS = (1, 2, 4, 8, 16)
 

@@ -23,7 +23,7 @@ from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.interface import DecoderStep
 from fairseq_pardec.decoding.step.lean import cat_padded, joined_padding
-from fairseq_pardec.decoding.step.native import (DECIDE_EOS, DECIDE_SLOTS, DECIDE_TABLES,
+from fairseq_pardec.native.library import (DECIDE_EOS, DECIDE_SLOTS, DECIDE_TABLES,
                                                 native_kernel)
 
 
@@ -125,7 +125,7 @@ class Batch:
         self.longest = 0
         # the cumulative score of each row's last accepted token, in float32
         self.prev_score = np.zeros(bsz, dtype=np.float32)
-        # the native decisions (native_decide.c; None: Python's walk decides) and their
+        # the native decisions (native/decide.c; None: Python's walk decides) and their
         # argument table, whose slots for the tables above ``views`` fills
         self.decider = native_kernel()
         self.decide_args = np.zeros(DECIDE_SLOTS, dtype=np.int64)
@@ -307,7 +307,7 @@ class Batch:
 
     def views(self):
         """numpy views of the host tables, which the decisions write through, and their
-        addresses in the native decisions' argument table (native_decide.c's slots)."""
+        addresses in the native decisions' argument table (native/decide.c's slots)."""
         self.tokens_np, self.scores_np = self.tokens.numpy(), self.cum_scores.numpy()
         self.n_out_np = self.n_out_host.numpy()
         self.decide_args[DECIDE_TABLES] = (
@@ -540,7 +540,7 @@ class Block:
 
     def host_arrays(self, grid: Tensor, lengths: Optional[Tensor] = None,
                     pos: Optional[Tensor] = None):
-        """The block on the host as the native decisions read it, by address (native_decide.c's
+        """The block on the host as the native decisions read it, by address (native/decide.c's
         slots POS, BLOCK, LENGTHS): ``grid`` (rows, width + 1) the last tokens and the padded
         drafts; ``lengths`` (rows,) the draft lengths and ``pos`` (rows, width + 1) the packed
         position of each row's block position (-1 at padding), both None for a dense block."""

@@ -16,7 +16,7 @@ then walks each row's block once, for every generator and device:
   (acceptance.py); then the verifier's token, up to the first EOS.
 
 Rows whose every position is plain (no forced token, a lossless rule, no tie, a certain lead)
-are walked by the native library (step/native_decide.c), the others by :func:`walk_row`; both
+are walked by the native library (native/decide.c), the others by :func:`walk_row`; both
 write the kept tokens and scores into the batch's host tables. Speculative sampling decides on
 the device (speculative.py); :func:`sampled` reads what it decided, in one transfer too, and
 keeps it the same way. Either way the engine gets an :class:`Outcome` of arrays.
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from fairseq_pardec.decoding.draft_verify.margin_guard import fairseq_decision, lead_is_certain
 from fairseq_pardec.decoding.fairseq_rules import beam_one
-from fairseq_pardec.decoding.step.native import DECIDE_ITERATION, DECIDE_LONGEST, DECIDE_OUTCOME
+from fairseq_pardec.native.library import DECIDE_ITERATION, DECIDE_LONGEST, DECIDE_OUTCOME
 
 _f32 = np.float32
 
@@ -49,7 +49,7 @@ class Outcome:
         self.ended = np.zeros(rows, dtype=np.uint8)
         self.last_pos = np.zeros(rows, dtype=np.int64)
         self.left = np.zeros(rows, dtype=np.uint8)
-        # their addresses, in native_decide.c's slots GAINED .. LEFT
+        # their addresses, in native/decide.c's slots GAINED .. LEFT
         self.addresses = tuple(a.ctypes.data for a in (self.gained, self.accepted, self.ended,
                                                        self.last_pos, self.left))
 
@@ -124,7 +124,7 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor,
     """Step 3 of an iteration (engine.py) for every active row, on the host: each row's new
     tokens and scores written into the batch's tables, and what it kept, returned.
 
-    The native walk (native_decide.c) decides every row whose positions are plain; Python's
+    The native walk (native/decide.c) decides every row whose positions are plain; Python's
     (:func:`walk_row`) the others: a forced prefix, a relaxed acceptance rule, a tie that
     fairseq's ``topk`` order breaks, a close call, or no native library."""
     outcome = batch.outcome()

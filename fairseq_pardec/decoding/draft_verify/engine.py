@@ -40,7 +40,7 @@ row's length limit is then its own (``--max-len-a`` x its source length + ``--ma
 a close call replays its own sentence: its output is the one ``--batch-size 1`` gives it.
 
 Every token is decided on the host (decisions.py; nearly every row by a plain C function,
-step/native_decide.c), on every device, from one read of the device per iteration: per verified
+native/decide.c), on every device, from one read of the device per iteration: per verified
 position the best token after fairseq's edits, its log-probability and the runner-up's (with
 speculative sampling, what it drew). A second read comes only in an iteration with a close call,
 whose replay reads the device anyway, or with a tie that fairseq breaks by ``topk``'s order, or
@@ -65,7 +65,7 @@ from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, Spe
 from fairseq_pardec.decoding.draft_verify.drafters.base import Drafter
 from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
-from fairseq_pardec.decoding.step.factory import StepChoice
+from fairseq_pardec.decoding.step_factory import StepChoice
 from fairseq_pardec.decoding.step.interface import DecoderStep
 from fairseq_pardec.decoding.decode_stats import DecodeStats, StatsGenerator
 from fairseq_pardec.decoding.draft_verify.batch_state import Batch, Block, BlockShapes, to_device
@@ -79,7 +79,7 @@ class DraftVerifyGenerator(StatsGenerator):
     every decision to fairseq, or 0 to see a step's own choices).
 
     The decoder step (step/interface.py) and the encoder are chosen per batch for the model's
-    device and dtype as they are then (step/factory.py): ``lean`` and ``fast`` say which steps
+    device and dtype as they are then (step_factory.py): ``lean`` and ``fast`` say which steps
     may be chosen. Assigning ``block_decoder`` or ``encode`` fixes that one for every batch.
     """
 
@@ -100,7 +100,7 @@ class DraftVerifyGenerator(StatsGenerator):
         # as fairseq's SequenceGenerator: the model decodes in eval mode (no dropout)
         self.model.eval()
         # the decoder step (and the encoder that goes with it) for the model's device and
-        # dtype, chosen per batch (step/factory.py): fairseq builds the --eval-bleu generator
+        # dtype, chosen per batch (step_factory.py): fairseq builds the --eval-bleu generator
         # before it moves the model to the GPU, and a user may call .cuda() or .half() later
         self._steps = StepChoice(self.model, lean, fast)
         # a step or an encoder assigned to the generator, used for every batch instead (tests
@@ -168,7 +168,7 @@ class DraftVerifyGenerator(StatsGenerator):
     @property
     def encode(self):
         """The encoder the next batch runs, ``encode(net_input)`` -> fairseq's encoder output
-        (with the fast step, the fast encoder on the same kernels: step/fast_encoder.py;
+        (with the fast step, the fast encoder on the same kernels: cpu/fast_encoder.py;
         assigned: every batch runs that one)."""
         return self._step_and_encoder()[1]
 

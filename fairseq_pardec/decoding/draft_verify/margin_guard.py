@@ -39,7 +39,7 @@ def lead_is_certain(first: float, second: float, score_bound: float, margin: flo
     """Whether fairseq's beam-1 search surely takes the best candidate of log-probabilities
     computed within ``margin`` of fairseq's: ``first`` leads the runner-up's ``second`` by more
     than the two margins and the rounding of adding fairseq's hypothesis score, of size at most
-    ``score_bound``, to each. The one test of certainty; native_decide.c's lead_is_certain is
+    ``score_bound``, to each. The one test of certainty; native/decide.c's lead_is_certain is
     the same formula.
 
     fairseq compares fl(S + f1) with fl(S + f2) for its own f1 >= first - margin and

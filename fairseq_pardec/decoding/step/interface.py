@@ -1,11 +1,11 @@
 """What the draft-and-verify engine asks of a decoder step: the members it and its host decisions
 read, declared once.
 
-Every step (block_decoder.BlockDecoder, lean.LeanBlockDecoder, fast.FastBlockDecoder,
-static.StaticBlockDecoder) has each member, with an honest default where it has nothing to say
+Every step (block_decoder.BlockDecoder, lean.LeanBlockDecoder, cpu/fast.FastBlockDecoder,
+cuda/static.StaticBlockDecoder) has each member, with an honest default where it has nothing to say
 (no native scores kernel, no kernel choice of its own, not fast), so that the engine never probes
 a step for what it might have. Which step decodes a model is chosen per batch, from the model's
-device and dtype at that moment (factory.StepChoice).
+device and dtype at that moment (step_factory.StepChoice).
 """
 
 from typing import Any, Optional, Protocol, Tuple, runtime_checkable
@@ -15,11 +15,10 @@ import numpy as np
 from torch import Tensor
 
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.products import KernelChoice
 
 
 class BestTwoKernel(Protocol):
-    """A native pass over log-probabilities (step/native_scores.c)."""
+    """A native pass over log-probabilities (native/scores.c)."""
 
     def best_two(self, scores: Tensor, rules=None) -> Tuple[np.ndarray, np.ndarray, int, int]:
         """Per row of (N, V) contiguous float32 scores: ``values`` (N, 2) float32, its [best,
@@ -38,9 +37,10 @@ class DecoderStep(Protocol):
         engine then encodes with the fast encoder where that covers the encoder)."""
 
     @property
-    def kernels(self) -> Optional[KernelChoice]:
-        """The product kernels measured on the decoder's shapes, shared with the fast encoder;
-        None: the step has no such choice (the encoder measures its own)."""
+    def kernels(self) -> Optional[Any]:
+        """The product kernels measured on the decoder's shapes (cpu/products.KernelChoice),
+        handed on to the fast encoder as they are; None: the step has no such choice (the
+        encoder measures its own)."""
 
     @property
     def margin(self) -> Optional[float]:

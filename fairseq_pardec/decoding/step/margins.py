@@ -22,7 +22,7 @@ The bounds, in float32 (unit roundoff u = 2**-24 = 6.0e-8):
   logit), the last product alone is worst-case 2 * 256 u * 12 ~ 4e-4 per logit, ~ 2e-5 with
   sqrt(n) rounding; the layers below add their own, damped by the layer norms.
 * Measured on the CPU (the fast step and encoder against fairseq's modules, d256 UA-GEC and
-  ddtp-de-en models, 160 sentences each): at most 4.6e-5 (step/fast.py). The lean step differs
+  ddtp-de-en models, 160 sentences each): at most 4.6e-5 (cpu/fast.py). The lean step differs
   far less (block products and oneDNN's vocabulary projection: ~1e-6).
 
 :data:`CPU_FP32_MARGIN` is ten times the CPU measurement (the fast step's DEFAULT_MARGIN).

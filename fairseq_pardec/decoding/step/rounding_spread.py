@@ -145,7 +145,7 @@ def measure(model, step, encode: Callable, sources: List[dict], bos: int, eos: i
             src_pad: Optional[int] = None) -> Dict[str, Spread]:
     """The spread of every way in ``ways`` over ``sources`` (single rows, :func:`single_rows`),
     along fairseq's greedy paths (computed here unless given as ``paths``: (tokens, log-probs)
-    per source). ``encode``: the encoder that goes with ``step`` (step/factory.py); ``pad``,
+    per source). ``encode``: the encoder that goes with ``step`` (step_factory.py); ``pad``,
     ``src_pad``: the target's and the source's padding (the same by default)."""
     src_pad = pad if src_pad is None else src_pad
     device = sources[0]["src_tokens"].device

@@ -6,7 +6,7 @@ import torch
 
 from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter, DraftState
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.factory import block_decoder_for
+from fairseq_pardec.decoding.step_factory import block_decoder_for
 from fairseq_pardec.decoding.step.interface import DrafterStep
 from fairseq_pardec.decoding.step.lean import lean_supported
 from fairseq_pardec.decoding.step.output_projection import draft_projection, plain_output_projection

@@ -9,7 +9,7 @@ from torch import Tensor
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, DraftState,
                                                                 Drafter, pad_drafts)
 from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
-from fairseq_pardec.decoding.step.static import draft_cap_for_bucket
+from fairseq_pardec.decoding.cuda.static import draft_cap_for_bucket
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (CPU_PRICES, FixedPrices,
                                                                   IterationPrices)
 

@@ -4,14 +4,14 @@ The engine encodes every batch once. With fairseq's modules that costs, on a d25
 encoder and 2 CPU threads, about 4 ms for one sentence of 30 tokens and 40 ms for a batch of 32:
 a tenth to a fifth of decoding a batch once the decoder step is fast. :class:`FastEncoder`
 computes the same function as :class:`~fairseq.models.transformer.TransformerEncoderBase` with
-the fast decoder step's means (step/fast.py): one product for queries, keys and values per layer
+the fast decoder step's means (cpu/fast.py): one product for queries, keys and values per layer
 with the query scaling folded into its weight, each product on the kernel measured faster for its
-row count (step/products.py, the decoder's own choice), ReLU fused into the first feed-forward
+row count (cpu/products.py, the decoder's own choice), ReLU fused into the first feed-forward
 product, and ``F.scaled_dot_product_attention`` over the unpadded keys; where its products run
-on the native kernel, all its layers run as one native call (step/layer_stack.py).
+on the native kernel, all its layers run as one native call (cpu/layer_stack.py).
 
 It rounds differently from fairseq's modules, as the fast decoder step does; the margin guard
-(fast.py, DEFAULT_MARGIN) covers the two together: tests/test_fast_step.py measures the
+(cpu/fast.py, DEFAULT_MARGIN) covers the two together: tests/test_fast_step.py measures the
 log-probabilities of fast encoder and fast step against fairseq's encoder and decoder.
 The output is fairseq's encoder output dictionary, so everything downstream (drafters, reordering
 when rows finish, fairseq's own search deciding close calls) reads it unchanged.
@@ -26,8 +26,8 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
-from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
-from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
+from fairseq_pardec.decoding.cpu.layer_stack import NativeLayerStack
+from fairseq_pardec.decoding.cpu.products import (NATIVE, FeedForward, KernelChoice, Linear,
                                                   query_key_value)
 from fairseq_pardec.decoding.step.weights_key import PREPARE_LOCK, WeightsKey
 
@@ -92,7 +92,7 @@ class FastEncoder:
         self.kernels = kernels if kernels is not None else KernelChoice()
         self._fingerprint = WeightsKey(encoder.layers)
         # the layers in the fast layout (and as one native call where its products run
-        # natively: layer_stack.py), swapped whole when rebuilt: a batch reads one version
+        # natively: cpu/layer_stack.py), swapped whole when rebuilt: a batch reads one version
         self._weights: Optional[_EncoderWeights] = None
         self.native_stack = True
 

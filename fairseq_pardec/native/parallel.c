@@ -1,4 +1,4 @@
-/* The native kernels' parallel loops on a borrowed OpenMP runtime (see native_kernels.h).
+/* The native kernels' parallel loops on a borrowed OpenMP runtime (see native/kernels.h).
  *
  * GOMP_parallel is the entry point GCC itself compiles ``#pragma omp parallel`` into; libgomp,
  * LLVM's libomp and Intel's libiomp5 all export it, so whichever runtime torch was built with
@@ -11,12 +11,12 @@
 #include <time.h>
 
 #define PARDEC_ANY_ISA /* one copy for every variant */
-#include "native_kernels.h"
+#include "kernels.h"
 
 typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
 typedef int (*omp_query_fn)(void);
 
-/* set once by native.py, before any kernel runs; NULL: no runtime, one thread */
+/* set once by native/library.py, before any kernel runs; NULL: no runtime, one thread */
 static gomp_parallel_fn gomp_parallel;
 static omp_query_fn thread_number, thread_count;
 

@@ -12,7 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "native_kernels.h"
+#include "kernels.h"
 
 struct scores {
     float *x;

@@ -10,7 +10,7 @@
  * computed, the next panel is prefetched into L2 (the weights of a decoding step do not stay in
  * this machine's caches from one step to the next: without it a product of 8 rows waited on
  * memory at every panel). The panels are shared among torch's OpenMP threads (borrowed:
- * native_kernels.h).
+ * native/kernels.h).
  *
  * Measured against the kernel with rows in 8, 4, 2, 1 and no prefetch (AMD EPYC, 2 threads,
  * alternating calls, median of 150; cold: a 48 MB buffer written before each call): an 8496 x 256
@@ -20,14 +20,14 @@
  *
  * Each output sums its K products in order k = 0 .. K-1 (fused multiply-add where the machine
  * has it): another rounding than MKL's or oneDNN's, by about 1e-6 relative in float32, which
- * the fast step's margin guard covers (fast.py, DEFAULT_MARGIN). Compiled once per x86-64
- * level and chosen for the CPU at load time (setup.py, native_dispatch.c), or for the machine
- * that runs it where the package came without its build (native.py).
+ * the fast step's margin guard covers (cpu/fast.py, DEFAULT_MARGIN). Compiled once per x86-64
+ * level and chosen for the CPU at load time (setup.py, native/dispatch.c), or for the machine
+ * that runs it where the package came without its build (native/library.py).
  */
 
 #include <stdint.h>
 
-#include "native_kernels.h"
+#include "kernels.h"
 
 #define PANEL 32
 

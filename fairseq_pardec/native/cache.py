@@ -5,7 +5,7 @@
 (``.lock``, fcntl: processes decoding side by side build a library once, the others wait for
 it) and renamed into place when complete; readers need no lock. Builds and choices nobody used
 for a while are pruned whenever a build is made or a choice stored. A build's checksum
-(``<build>.so.sha256``, native_file.py) goes with its build.
+(``<build>.so.sha256``, native/file_check.py) goes with its build.
 """
 
 import contextlib

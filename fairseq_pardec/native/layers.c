@@ -1,20 +1,20 @@
 /* A whole decoder call's layers in one native call: a Transformer decoder layer stack (fairseq's
  * TransformerDecoderLayer, post- or pre-norm, ReLU feed-forward) over the packed rows of a verify
- * block, on the fast step's static key/value cache (fast.py). With D_ENCODER set, the same code
+ * block, on the fast step's static key/value cache (cpu/fast.py). With D_ENCODER set, the same code
  * runs an encoder's layers (fairseq's TransformerEncoderLayer: attention over every real source
  * position, no encoder attention) over a batch's rows, batch-major, with the keys and values in
- * a scratch buffer (fast_encoder.py).
+ * a scratch buffer (cpu/fast_encoder.py).
  *
  * The fast step in torch issues about thirty operations per layer (norms, views, cache writes,
  * attention, packing), each a few microseconds of dispatch at batch 1, and the attention kernel
  * alone cost 20 us for a block of 6 queries over 40 keys (4 heads of 64) where its arithmetic
- * takes 1 us. Here a layer is its products (pardec_linear, native_linear.c), its layer norms, the
+ * takes 1 us. Here a layer is its products (pardec_linear, native/linear.c), its layer norms, the
  * cache writes and the attention, with no dispatch between them.
  *
  * Rounding: layer norms accumulate in double; an attention score sums its head_dim products in
  * SIMD lanes; softmax subtracts the row's maximum, takes a polynomial exp (exp_nonpositive) and
  * divides the weighted sum of values by the sum of weights. All of it differs from torch's rounding by about 1e-6 relative in float32, which
- * the fast step's margin guard covers (fast.py, DEFAULT_MARGIN; tests/test_fast_step.py).
+ * the fast step's margin guard covers (cpu/fast.py, DEFAULT_MARGIN; tests/test_fast_step.py).
  */
 
 #include <math.h>
@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native_kernels.h"
+#include "kernels.h"
 
 void PARDEC_API(pardec_linear)(const float *x, int64_t M, int64_t K, const float *panels,
                                const float *bias, const float *add, float *y, int64_t N,

@@ -1,6 +1,6 @@
 """The static decoder step: fixed shapes, buffers written in place, no host sync inside a call.
 
-It computes what :class:`~fairseq_pardec.decoding.step.fast.FastBlockDecoder` computes (fairseq's
+It computes what :class:`~fairseq_pardec.decoding.cpu.fast.FastBlockDecoder` computes (fairseq's
 decoder, fused and rounded differently), laid out for a GPU, where a step of a small model costs
 its kernel launches and every host read of the device stalls the queue:
 
@@ -8,7 +8,7 @@ its kernel launches and every host read of the device stalls the queue:
   length rounded up to a bucket (:func:`batch_bucket`, :func:`block_bucket`); padding rows and
   columns are masked out of every real row's attention and their outputs are never read. The
   same code runs eagerly (on the CPU in the tests) and, on CUDA, recorded once per bucket as a
-  CUDA graph and replayed (step/cuda_graphs.py).
+  CUDA graph and replayed (cuda/cuda_graphs.py).
 * **The self-attention cache** is one buffer per layer, ``(rows, heads, capacity, head_dim)``,
   the capacity rounded up to a power of two, in a :class:`_Slot` reused by later batches of the
   same buckets (a graph reads fixed addresses). Each row has its own length, on the device: a
@@ -19,7 +19,7 @@ its kernel launches and every host read of the device stalls the queue:
   the bucket's padding columns past the capacity are written there (and never attended to), so
   the capacity follows the real entries (``capacity_for``), not the bucket, and a batch that
   reserves its length limit (``new_state(max_len)``, ``reserve``) never grows its buffers.
-* **Slots are bounded** (step/slot_pool.py): a count, a share of the free memory, least
+* **Slots are bounded** (cuda/slot_pool.py): a count, a share of the free memory, least
   recently used first; an evicted slot frees its buffers and its graphs.
 * **The encoder's keys and values** are projected once per batch, into the slot's static buffers
   (the source length rounded up to a bucket, the padding masked).
@@ -56,10 +56,10 @@ from fairseq.modules import LearnedPositionalEmbedding
 from fairseq_pardec.decoding.fairseq_rules import token_rules as apply_token_rules
 from fairseq_pardec.decoding.step.block_decoder import UnsupportedDecoder, keep_bounds
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.cuda_graphs import GraphSet, out_of_memory
+from fairseq_pardec.decoding.cuda.cuda_graphs import GraphSet, out_of_memory
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 from fairseq_pardec.decoding.step.margins import rounding_margin
-from fairseq_pardec.decoding.step.slot_pool import SlotBudget, SlotPool
+from fairseq_pardec.decoding.cuda.slot_pool import SlotBudget, SlotPool
 from fairseq_pardec.decoding.step.weights_key import WeightsKey
 from fairseq_pardec.models.decoder_inputs import encoder_states, final_features
 
@@ -284,10 +284,10 @@ class StaticBlockDecoder(LeanBlockDecoder):
 
     ``graphs``: record each bucket's call as a CUDA graph where the model is on CUDA (default);
     False runs every call eagerly (the same operations). ``budget``: how many slots and graphs,
-    and what share of the free device memory, the step keeps (step/slot_pool.py).
+    and what share of the free device memory, the step keeps (cuda/slot_pool.py).
     """
 
-    # its buffers are sized for the batch when it starts (slot_pool.py): no row joins later
+    # its buffers are sized for the batch when it starts (cuda/slot_pool.py): no row joins later
     joins_rows = False
     fast = True
     one_position_exact = False  # not even a one-position call rounds as fairseq does
@@ -485,7 +485,7 @@ class StaticBlockDecoder(LeanBlockDecoder):
                 slot.temperature.fill_(temperature)
                 slot.temperature_value = temperature
             # the outputs are the slot's until its next call (a replay rewrites them, and the
-            # graphs of a slot share one memory pool: step/cuda_graphs.py): the features are
+            # graphs of a slot share one memory pool: cuda/cuda_graphs.py): the features are
             # copied out here (index_select), the scores when read (log_probs, best_two),
             # before the engine calls again on this cache; a new call drops unread ones
             outputs = slot.graphs.call((width, explicit, scores, rules),

@@ -1,5 +1,5 @@
 """What the native library is compiled from, and how: shared by setup.py (the library built
-at install time, for every x86-64 level) and native.py (the build at run time, for the machine
+at install time, for every x86-64 level) and native/library.py (the build at run time, for the machine
 that runs it, where the package came without a library). Standard library only: setup.py
 loads this file by path, before anything is installed.
 """
@@ -12,15 +12,15 @@ from typing import List, Sequence, Tuple
 HERE = Path(__file__).resolve().parent
 
 # compiled once for the whole library
-COMMON_SOURCES = ("native_parallel.c", "native_dispatch.c", "native_decide.c")
-# compiled once per variant (instruction set), their names suffixed with it (native_kernels.h)
-KERNEL_SOURCES = ("native_linear.c", "native_layers.c", "native_scores.c")
-HEADERS = ("native_kernels.h",)
+COMMON_SOURCES = ("parallel.c", "dispatch.c", "decide.c")
+# compiled once per variant (instruction set), their names suffixed with it (native/kernels.h)
+KERNEL_SOURCES = ("linear.c", "layers.c", "scores.c")
+HEADERS = ("kernels.h",)
 
 # the installed library's file, next to this one
 LIBRARY_NAME = "libpardec_native.so"
 
-# -O3 for the loops, OpenMP's simd pragmas without its runtime (threads: native_parallel.c)
+# -O3 for the loops, OpenMP's simd pragmas without its runtime (threads: native/parallel.c)
 OPTIMIZE = ["-O3", "-fopenmp-simd"]
 
 # the installed library's variants on x86-64, best first: AVX-512, AVX2 with FMA, SSE2
@@ -47,7 +47,7 @@ def variants() -> Tuple[Tuple[str, List[str]], ...]:
 
 
 def variants_macro(names: Sequence[str]) -> str:
-    """PARDEC_VARIANTS for native_dispatch.c: the variants compiled in, best first."""
+    """PARDEC_VARIANTS for native/dispatch.c: the variants compiled in, best first."""
     return "".join("X(%s)" % name for name in names)
 
 

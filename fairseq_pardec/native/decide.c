@@ -26,7 +26,7 @@
 #define ADD_ROUNDING 0x1p-23
 
 /* The argument table's slots (decisions.py, NativeDecisions fills it), in order. Pointers as
- * int64. Written once: the enum and the names native.py checks its own table against
+ * int64. Written once: the enum and the names native/library.py checks its own table against
  * (pardec_decide_slot_names) both come from this list.
  *   TOP          (N, 2) float32: best and second log-probability per packed position
  *   BEST         (N,) int64: the first token holding the best
@@ -69,7 +69,7 @@ static int lead_is_certain(double first, double second, double score_bound, doub
     return first - second > 2 * margin + rounding;
 }
 
-/* The slots' names in their order, separated by spaces: native.py checks them against its own. */
+/* The slots' names in their order, separated by spaces: native/library.py checks them against its own. */
 const char *pardec_decide_slot_names(void) { return slot_names; }
 
 /* Decide every row it can (see above); ``margin`` < 0: no guard. Returns the rows left to the

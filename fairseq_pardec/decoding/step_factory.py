@@ -1,7 +1,7 @@
 """Which decoder step decodes a model: one choice per decoder, device and dtype.
 
-* the static step (step/static.py) on CUDA: fixed shapes, recorded as CUDA graphs;
-* the fast step (step/fast.py) in float32 on the CPU: native kernels, a static cache;
+* the static step (cuda/static.py) on CUDA: fixed shapes, recorded as CUDA graphs;
+* the fast step (cpu/fast.py) in float32 on the CPU: native kernels, a static cache;
 * the lean step (step/lean.py) elsewhere: fairseq's operations in fairseq's order;
 * fairseq's own modules (step/block_decoder.py) for layers the lean step does not reproduce.
 
@@ -46,12 +46,12 @@ def block_decoder_for(decoder, lean: bool = True, fast: bool = False,
     from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 
     if lean and static is not False and (static or (fast and _on_cuda(decoder))):
-        from fairseq_pardec.decoding.step.static import StaticBlockDecoder, static_supported
+        from fairseq_pardec.decoding.cuda.static import StaticBlockDecoder, static_supported
 
         if static_supported(decoder):
             return StaticBlockDecoder(decoder)
     if lean and fast:
-        from fairseq_pardec.decoding.step.fast import FastBlockDecoder, fast_supported
+        from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder, fast_supported
 
         if fast_supported(decoder):
             return FastBlockDecoder(decoder)
@@ -84,8 +84,8 @@ class ChosenStep(NamedTuple):
 
 def encoder_for(encoder, step: DecoderStep) -> Callable:
     """The encoder for ``step``: with a fast step, the fast encoder on the step's own product
-    kernels where it computes the encoder's function (step/fast_encoder.py); else fairseq's."""
-    from fairseq_pardec.decoding.step.fast_encoder import FastEncoder, fast_encoder_supported
+    kernels where it computes the encoder's function (cpu/fast_encoder.py); else fairseq's."""
+    from fairseq_pardec.decoding.cpu.fast_encoder import FastEncoder, fast_encoder_supported
 
     if step.fast and fast_encoder_supported(encoder):
         return FastEncoder(encoder, step.kernels)

@@ -1,4 +1,4 @@
-"""The static step's slots (step/static.py), least recently used first, within a budget.
+"""The static step's slots (cuda/static.py), least recently used first, within a budget.
 
 A slot holds one bucket's static buffers (the self-attention cache, the encoder's keys and
 values) and the CUDA graphs recorded on them, and is reused by later batches of the same
@@ -42,7 +42,7 @@ def device_free_memory(device: torch.device) -> Optional[int]:
 class SlotPool:
     """Slots by bucket and by last use. A slot offers ``rows, capacity, source`` (its bucket),
     ``free()`` (no batch uses it), ``nbytes`` (its buffers and graphs), ``graphs`` (its
-    :class:`~fairseq_pardec.decoding.step.cuda_graphs.GraphSet`) and ``evict()``.
+    :class:`~fairseq_pardec.decoding.cuda.cuda_graphs.GraphSet`) and ``evict()``.
     The caller serialises the calls (the step's lock)."""
 
     def __init__(self, budget: SlotBudget = SlotBudget(),

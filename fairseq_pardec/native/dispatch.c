@@ -1,6 +1,6 @@
 /* The native library's exported names, bound to the kernels compiled for the running CPU.
  *
- * The build compiles each kernel source once per variant (native_kernels.h) and lists the
+ * The build compiles each kernel source once per variant (native/kernels.h) and lists the
  * variants, best first, in PARDEC_VARIANTS as X(name) entries: X(x86_64_v4) X(x86_64_v3)
  * X(x86_64) for the installed library on x86-64, one entry (native, generic) for a build that
  * targets one machine. At load time the first variant the CPU runs is bound; pardec_select
@@ -18,7 +18,7 @@
 #include <stdint.h>
 
 #ifndef PARDEC_VARIANTS
-#error "PARDEC_VARIANTS lists the variants compiled into the library (setup.py, native.py)"
+#error "PARDEC_VARIANTS lists the variants compiled into the library (setup.py, native/library.py)"
 #endif
 
 typedef void (*linear_fn)(const float *, int64_t, int64_t, const float *, const float *,
@@ -148,7 +148,7 @@ int pardec_panel_width(void) { return bound->panel_width(); }
 
 int pardec_layers_abi(void) { return bound->layers_abi(); }
 
-/* the digest of the sources this library was compiled from (native.py compares it with the
+/* the digest of the sources this library was compiled from (native/library.py compares it with the
  * sources next to it: an in-place build left behind by an edit is not loaded) */
 const char *pardec_source_digest(void) {
 #ifdef PARDEC_SOURCE_DIGEST

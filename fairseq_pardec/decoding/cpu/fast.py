@@ -13,15 +13,15 @@ fewer, larger operations:
 * one product per layer produces queries, keys and values together, from a concatenated weight
   with the query scaling folded in; each product runs on the kernel measured faster on this
   machine for its number of rows, MKL's ``addmm`` on a transposed weight, oneDNN's product on
-  a packed one with ReLU fused, or the project's native kernel (step/products.py);
+  a packed one with ReLU fused, or the project's native kernel (cpu/products.py);
 * where the products run on the native kernel, the whole call does: the block's input and every
-  layer in one native call (step/layer_stack.py, native_layers.c), no torch operation between;
+  layer in one native call (cpu/layer_stack.py, native/layers.c), no torch operation between;
 * otherwise attention is one fused kernel (``F.scaled_dot_product_attention``) for one row, and
   product / softmax / product with an additive mask for a batch (:func:`_attention`), with a mask
   only where one is needed (a block of several positions, rolled-back holes, a ragged block,
   padded sources);
 * the encoder's keys and values are projected once per batch (and the encoder itself runs on the
-  same kernels: step/fast_encoder.py).
+  same kernels: cpu/fast_encoder.py).
 
 The result is the same function rounded differently (folded scaling, fused products, another
 softmax kernel): its log-probabilities differ from fairseq's by a few 1e-6 in float32 (measured
@@ -43,12 +43,12 @@ from torch import Tensor
 
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.block_decoder import keep_bounds
-from fairseq_pardec.decoding.step.layer_stack import NativeLayerStack
+from fairseq_pardec.decoding.cpu.layer_stack import NativeLayerStack
 from fairseq_pardec.decoding.step.lean import (LeanBlockDecoder, join_sources, joined_padding,
                                                lean_supported)
 from fairseq_pardec.decoding.step.margins import CPU_FP32_MARGIN
 from fairseq_pardec.decoding.step.output_projection import plain_output_projection
-from fairseq_pardec.decoding.step.products import (NATIVE, FeedForward, KernelChoice, Linear,
+from fairseq_pardec.decoding.cpu.products import (NATIVE, FeedForward, KernelChoice, Linear,
                                                   query_key_value)
 from fairseq_pardec.decoding.step.weights_key import PREPARE_LOCK, WeightsKey
 from fairseq_pardec.models.decoder_inputs import (encoder_states, final_features, plain_input,
@@ -110,7 +110,7 @@ class FastCache:
 
     Where buffers change (grown, reordered), their list is replaced, never an item of it: the
     native step's table of their addresses is kept while the lists are the same
-    (layer_stack.py, ``NativeLayerStack._state_table``).
+    (cpu/layer_stack.py, ``NativeLayerStack._state_table``).
     """
 
     def __init__(self):
@@ -132,7 +132,7 @@ class FastCache:
         self.weights: Optional["_Weights"] = None
         # the decoder input's tables for the native step (NativeLayerStack.input_tables), looked
         # up when the batch starts, and the native call's table of this cache's buffers
-        # (layer_stack.py)
+        # (cpu/layer_stack.py)
         self.input_tables = None
         self.native_state = None
         # and its table of sizes with the table's address, filled per call
@@ -224,7 +224,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         self._layers_key = WeightsKey(self.decoder.layers)
         self._projection_keys = {}  # id(projection module) -> (module, its WeightsKey)
         self._weights: Optional[_Weights] = None
-        # which kernel multiplies how many rows: measured on this decoder (step/products.py),
+        # which kernel multiplies how many rows: measured on this decoder (cpu/products.py),
         # for the layers' products and for the output projection apart (another shape)
         self.kernels = KernelChoice()
         self.projection_kernels = KernelChoice()
@@ -233,7 +233,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         # (read by scores_kernel); per thread, so that threads sharing this step each read
         # their own batch's
         self._thread = threading.local()
-        # the layers as one native call, where native_layers.c computes them (layer_stack.py)
+        # the layers as one native call, where native/layers.c computes them (cpu/layer_stack.py)
         self.native_stack = True
 
     def new_state(self, max_len: Optional[int] = None) -> FastCache:  # grows as rows do
@@ -337,7 +337,7 @@ class FastBlockDecoder(LeanBlockDecoder):
         return vocab(features, self.projection_kernels.kernel_for(features.size(0)))
 
     def scores_kernel(self):
-        """The native kernel for the best two scores per position (native_scores.c) of this
+        """The native kernel for the best two scores per position (native/scores.c) of this
         thread's latest :meth:`logits`, or None (that projection was not this step's own, there
         is no native kernel, or the products are pinned to a library kernel)."""
         vocab = getattr(self._thread, "projected_by", None)
@@ -649,7 +649,7 @@ class FastBlockDecoder(LeanBlockDecoder):
                 old, rows, source_dim=2, rows_dim=0)
         cache.enc_attend = None if pad is None else (~pad).view(old + rows, 1, 1, -1)
 
-        # new lists: the native step's table of the buffers is rebuilt (layer_stack.py)
+        # new lists: the native step's table of the buffers is rebuilt (cpu/layer_stack.py)
         cache.keys = [_with_rows(k, old, old + rows) for k in cache.keys]
         cache.values = [_with_rows(v, old, old + rows) for v in cache.values]
         if length:

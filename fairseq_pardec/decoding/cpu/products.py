@@ -2,7 +2,7 @@
 
 Three kernels compute ``x W^T + b`` for the fast step: MKL's ``addmm`` on a transposed copy of
 the weight, oneDNN's product with the weight packed once into its blocked layout, and the
-project's native kernel (native_linear.c: the weight in panels, streamed once per call, with
+project's native kernel (native/linear.c: the weight in panels, streamed once per call, with
 no library around it). Which is fastest depends on the machine, the thread count and the
 number of rows, and not by a little: on an AMD EPYC with two threads oneDNN ran a d256
 decoder's chain of products 1.6x faster than ``addmm`` at one row and 2.9x faster at eight
@@ -14,7 +14,7 @@ a batch's block) on the decoder's own weights: by rule where one kernel always w
 measurement elsewhere, and keeps the choice per machine in the kernels' cache.
 
 All three round differently from fairseq's ``F.linear`` (about 1e-6 in float32); the margin
-guard covers each (fast.py, DEFAULT_MARGIN; tests/test_fast_step.py runs every kernel).
+guard covers each (cpu/fast.py, DEFAULT_MARGIN; tests/test_fast_step.py runs every kernel).
 """
 
 import functools
@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_pardec.errors import UsageError
-from fairseq_pardec.decoding.step import native_build
-from fairseq_pardec.decoding.step.native import native_kernel
-from fairseq_pardec.decoding.step.native_cache import ChoiceCache
+from fairseq_pardec.native import build as native_build
+from fairseq_pardec.native.library import native_kernel
+from fairseq_pardec.native.cache import ChoiceCache
 from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
 
 # rows 1 | 2..16 | 17..64 | more, and the row count measured for each: a batch-1 step, a
@@ -48,7 +48,7 @@ KERNELS = (MKL, ONEDNN, NATIVE)
 # Per regime, the kernel kept unless another is measured faster by a clear margin, best first
 # among those that run. At one row and a few rows a layer stack's kernel is not measured at all
 # where the native kernel runs: there it also runs a decoder call's (or an encoder's) whole
-# layer stack in one native call (fast.py, layer_stack.py), which timing the products alone
+# layer stack in one native call (cpu/fast.py, cpu/layer_stack.py), which timing the products alone
 # does not see. Timed alone, the
 # products of a batch-1 step came out close enough between the native kernel and MKL on an
 # Intel Xeon that the choice fell on MKL in about half the runs, and those runs decoded at half

@@ -1,28 +1,28 @@
-"""The native kernels (native_linear.c, native_layers.c, native_scores.c): one shared library
+"""The native kernels (native/linear.c, native/layers.c, native/scores.c): one shared library
 loaded with ctypes.
 
 The fast step multiplies one to a few rows per product at batch 1, where the weight's read is
 the whole cost and the library kernels' own overhead per call is larger than the read (see
-native_linear.c); the rest of a decoder layer there is dispatch, which native_layers.c runs
-without (a whole call's layer stack in one native call); native_scores.c finds each position's
+native/linear.c); the rest of a decoder layer there is dispatch, which native/layers.c runs
+without (a whole call's layer stack in one native call); native/scores.c finds each position's
 best two scores for the engine.
 
 Where the library comes from, in this order:
 - the package's own, built at install time by setup.py for every x86-64 level, the CPU's best
-  bound at load time (native_dispatch.c), or capped by ``$FAIRSEQ_PARDEC_NATIVE_ARCH`` when
+  bound at load time (native/dispatch.c), or capped by ``$FAIRSEQ_PARDEC_NATIVE_ARCH`` when
   that names a level (``x86-64-v3``: the suite's AVX2 pass);
 - else (no compiler at install time, an in-place build older than its sources, or
   ``$FAIRSEQ_PARDEC_NATIVE_ARCH`` naming another target) a build at run time with the
   machine's C compiler (``$CC``, else ``cc`` or ``gcc``) for ``-march=native`` (or that
-  target), cached (native_cache.py) under a name keyed by the sources, the compiler and what
+  target), cached (native/cache.py) under a name keyed by the sources, the compiler and what
   it targets here (its predefined macros: the instruction sets it may emit), so that a cache
   shared by machines of different CPUs never hands one a build for another's instructions.
 
 The library links no OpenMP runtime: its loops run on the one torch has loaded, found in the
-process's mappings and handed over by address (native_parallel.c); loading it is checked to
+process's mappings and handed over by address (native/parallel.c); loading it is checked to
 bring no second runtime into the process.
 
-Either library is loaded only once its file checks out (native_file.py: ELF headers within
+Either library is loaded only once its file checks out (native/file_check.py: ELF headers within
 the file, the checksum written beside it at build time): dlopen of a file cut short kills the
 process (SIGBUS), where Python could not catch it. An installed library that fails the check is
 passed over for the run-time build; a cached build that fails it, or that dlopen refuses though
@@ -31,7 +31,7 @@ directory"), is removed and built again; one warning line names the file either 
 
 Where there is no library, no compiler, the build fails, or the library miscomputes a test
 product, :func:`native_kernel` returns None and says why in :func:`native_unavailable_reason`;
-the fast step then uses the library kernels (products.py), as it does with
+the fast step then uses the library kernels (cpu/products.py), as it does with
 ``FAIRSEQ_PARDEC_NATIVE`` off (``0``, ``false``, ``no``, ``off``: env_flags.py). The first call
 loads or builds under a lock: threads starting together all get the kernel.
 """
@@ -52,7 +52,9 @@ import torch
 from torch import Tensor
 
 from fairseq_pardec import env_flags
-from fairseq_pardec.decoding.step import native_build, native_cache, native_file
+from fairseq_pardec.native import build as native_build
+from fairseq_pardec.native import cache as native_cache
+from fairseq_pardec.native import file_check as native_file
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +66,11 @@ ARCH_VARIABLE = "FAIRSEQ_PARDEC_NATIVE_ARCH"
 SWITCH_VARIABLE = "FAIRSEQ_PARDEC_NATIVE"
 OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 
-# the tables pardec_decoder_layers reads (native_layers.c): dims, per-layer weight pointers,
+# the tables pardec_decoder_layers reads (native/layers.c): dims, per-layer weight pointers,
 # per-layer cache pointers; their sizes, as the library reports them
 LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE = 16, 18, 4
 LAYERS_ABI = LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
-# pardec_decide_rows's argument table (native_decide.c's DECIDE_SLOTS, in its order), by the
+# pardec_decide_rows's argument table (native/decide.c's DECIDE_SLOTS, in its order), by the
 # party that fills each part: per iteration the reading and the block, the symbol EOS, per batch
 # the host's tables, per row count the outcome, and LONGEST. The library's own names are checked
 # against these when it is loaded, so a slot moved on one side only is refused, not misread.
@@ -100,15 +102,15 @@ _first_use = threading.Lock()
 
 
 class NativeKernel:
-    """``linear`` over weights stored by ``pack`` (the panel layout of native_linear.c).
+    """``linear`` over weights stored by ``pack`` (the panel layout of native/linear.c).
 
     ``path``: the library loaded; ``installed``: whether it is the one built at install time
     (else built at run time, in the cache); ``variant``: the instruction set bound
-    (native_dispatch.c); ``openmp``: the OpenMP runtime its threads come from (None: one
+    (native/dispatch.c); ``openmp``: the OpenMP runtime its threads come from (None: one
     thread); ``build_id``: names its kernel choices in the cache (products.KernelChoice);
     ``region_microseconds``: the least time an empty parallel region of two threads took when
     the runtime was bound, and ``serial_loops``: whether the loops run on the calling thread
-    because the runtime's threads sleep between regions (native_parallel.c)."""
+    because the runtime's threads sleep between regions (native/parallel.c)."""
 
     def __init__(self, library: ctypes.CDLL, path: Path, installed: bool, openmp: Optional[str],
                  build_id: str):
@@ -134,14 +136,14 @@ class NativeKernel:
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_float, ctypes.c_int]
         self._buffers = threading.local()  # best_two's outputs, per thread
-        # an iteration's decisions on the host (native_decide.c, draft_verify/decisions.py)
+        # an iteration's decisions on the host (native/decide.c, draft_verify/decisions.py)
         self.decide_rows = library.pardec_decide_rows
         self.decide_rows.restype = ctypes.c_int64
         self.decide_rows.argtypes = [ctypes.c_void_p, ctypes.c_double]
         library.pardec_decide_slot_names.restype = ctypes.c_char_p
         names = tuple(library.pardec_decide_slot_names().decode().split())
         if names != tuple(name for group in DECIDE_NAMES for name in group):
-            raise RuntimeError("native_decide.c and native.py disagree on the argument table: "
+            raise RuntimeError("native/decide.c and native/library.py disagree on the argument table: "
                                "%s" % " ".join(names))
         self.embed_block = library.pardec_embed_block
         self.embed_block.restype = ctypes.c_int
@@ -150,7 +152,7 @@ class NativeKernel:
             ctypes.c_int64, ctypes.c_void_p]
         library.pardec_layers_abi.restype = ctypes.c_int
         if library.pardec_layers_abi() != LAYERS_ABI:
-            raise RuntimeError("native_layers.c and native.py disagree on the tables' layout")
+            raise RuntimeError("native/layers.c and native/library.py disagree on the tables' layout")
 
     def pack(self, weight: Tensor) -> Tensor:
         """(N, K) weight -> (ceil(N / panel), K, panel) panels, columns past N zero."""
@@ -180,7 +182,7 @@ class NativeKernel:
         """(N, V) contiguous float32, V >= 2 -> ``values`` (N, 2) float32, the two largest
         values of each row, ``best`` (N,) int64, the first column holding the largest, and the
         addresses of the two arrays (the engine decides from them on the host:
-        native_decide.c). ``rules``: None, or fairseq's search rules
+        native/decide.c). ``rules``: None, or fairseq's search rules
         (fairseq_rules.SearchRules), whose first edits (``token_rules``) are made in ``scores``
         first, in the same pass. The arrays are kept per row count and thread, and overwritten
         by the next call: at batch 1 the engine's Python around a step is as long as the step's

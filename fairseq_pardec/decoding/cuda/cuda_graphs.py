@@ -3,7 +3,7 @@ then replayed.
 
 A decoder step of a small Transformer on a GPU costs its kernel launches, not its arithmetic:
 about 70 kernels for a 3-layer decoder, each a few microseconds of Python and driver work. The
-static step (step/static.py) computes with fixed shapes on fixed buffers, so one call per
+static step (cuda/static.py) computes with fixed shapes on fixed buffers, so one call per
 (batch bucket, block-length bucket) can be recorded as a CUDA graph and every later call of
 that bucket is one replay.
 

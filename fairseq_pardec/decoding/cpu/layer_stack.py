@@ -1,11 +1,11 @@
 """The fast step's decoder layers, and the fast encoder's layers, as one native call each
-(native_layers.c).
+(native/layers.c).
 
 At batch 1 a decoder call's products are about half its time; the rest is dispatch: some thirty
 torch operations per layer (layer norms, views, cache writes, packing) and an attention kernel
 that costs 20 us for a block of 6 queries whose arithmetic takes 1 us. :class:`NativeLayerStack`
-hands the whole stack to native_layers.c: one call per decoder call, the products on the native
-kernel (native_linear.c), the rest plain loops. The fast step and the fast encoder use it
+hands the whole stack to native/layers.c: one call per decoder call, the products on the native
+kernel (native/linear.c), the rest plain loops. The fast step and the fast encoder use it
 wherever their products would run on the native kernel anyway (products.KernelChoice measured it
 fastest for that many rows) and the layers are ones it computes: fairseq layers with ReLU
 feed-forward and affine layer norms, the same shapes in every layer (and, in the decoder, no
@@ -21,11 +21,11 @@ from torch import Tensor
 
 from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 
-from fairseq_pardec.decoding.step.native import LAYER_DIMS, LAYER_STATE, LAYER_WEIGHTS
+from fairseq_pardec.native.library import LAYER_DIMS, LAYER_STATE, LAYER_WEIGHTS
 from fairseq_pardec.models.decoder_inputs import plain_input
 
 
-# the slots of native_layers.c's dims (its enum D_*) that change from call to call
+# the slots of native/layers.c's dims (its enum D_*) that change from call to call
 _ROWS, _BATCH, _LENGTH, _FIRST, _CAPACITY, _SOURCE, _THREADS = 1, 2, 3, 4, 5, 12, 14
 
 
@@ -77,8 +77,8 @@ def _position_table(decoder, needed: int):
 
 
 class NativeLayerStack:
-    """A layer stack (fast.py's ``_Layer`` or fast_encoder.py's ``_EncoderLayer``) for
-    native_layers.c: the table of weight pointers is built once, and the object never changes
+    """A layer stack (cpu/fast.py's ``_Layer`` or cpu/fast_encoder.py's ``_EncoderLayer``) for
+    native/layers.c: the table of weight pointers is built once, and the object never changes
     afterwards (threads share it); the table of a batch's cache pointers belongs to that
     batch's cache, rebuilt when its buffers move."""
 
@@ -102,7 +102,7 @@ class NativeLayerStack:
 
     @staticmethod
     def supports(layers: List, encoder: bool = False) -> bool:
-        """Whether native_layers.c computes these layers (else the torch path runs them)."""
+        """Whether native/layers.c computes these layers (else the torch path runs them)."""
         if not layers:
             return False
         shape = _shape(layers[0], encoder)
@@ -138,7 +138,7 @@ class NativeLayerStack:
         return cache.native_state[4]
 
     def _dims(self, rows, batch, length, first, capacity, source, dims=None):
-        """(address, table) of the call's table of sizes (native_layers.c's ``dims``): in
+        """(address, table) of the call's table of sizes (native/layers.c's ``dims``): in
         ``dims``, a cache's own (int64 array, its address), filled where it changes, or in a
         new array."""
         threads = torch.get_num_threads()
@@ -184,7 +184,7 @@ class NativeLayerStack:
     def block_input(self, decoder, tokens: Tensor, start: Tensor, index: Optional[Tensor],
                     rows: int, first: int, tables=None) -> Optional[Tensor]:
         """The decoder's input for a block's packed rows (embed_at's function: scaled token
-        embedding plus position embedding, native_layers.c) where the decoder's way in is just
+        embedding plus position embedding, native/layers.c) where the decoder's way in is just
         those two tables; None where it is not, or a token or position is outside its table
         (the torch path then runs, and says what is wrong). ``tables``: :meth:`input_tables`
         for this block, if the caller has them."""

@@ -1,0 +1,3 @@
+"""The decoder step on CUDA (``static``): fixed shapes on fixed buffers, recorded as graphs
+(``cuda_graphs``), its slots within a memory budget (``slot_pool``).
+"""
