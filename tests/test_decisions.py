@@ -173,3 +173,36 @@ def test_native_walk_decides_as_python(seed):
     assert 0 < left.sum() < rows  # both walks ran
     for native_part, python_part in zip(*kept):
         assert np.array_equal(native_part, python_part)
+
+
+def test_native_certainty_test_is_pythons():
+    """native/decide.c's lead_is_certain answers as margin_guard.lead_is_certain on random
+    inputs, on both sides of the boundary: leads drawn a few ulps around the smallest certain
+    one, scores and margins of every size the engine meets."""
+    import math
+    import random
+
+    from fairseq_pardec.decoding.draft_verify.margin_guard import _ADD_ROUNDING, lead_is_certain
+    from fairseq_pardec.native.library import native_kernel
+
+    kernel = native_kernel()
+    if kernel is None:
+        pytest.skip("no native kernel here")
+    rng = random.Random(7)
+    answers = set()
+    for _ in range(20000):
+        second = -rng.choice([0.0, 1e-3, 1.0, 30.0, 1e4]) * rng.random()
+        margin = rng.choice([0.0, 1e-6, 1.6e-4, 5e-4, 0.5]) * rng.random()
+        score_bound = rng.choice([0.0, 1.0, 1e3, 1e8]) * rng.random()
+        # the smallest certain lead (near it), then a few ulps either side
+        rounding = _ADD_ROUNDING * (score_bound + margin + abs(second))
+        first = second + 2 * margin + rounding
+        for _ in range(rng.randrange(0, 4)):
+            first = math.nextafter(first, rng.choice([math.inf, -math.inf]))
+        first = min(first, 0.0) if rng.random() < 0.9 else first
+        args = (float(first), float(second), float(score_bound), float(margin))
+        expected = lead_is_certain(*args)
+        assert bool(kernel.lead_is_certain(*args)) == expected, args
+        answers.add(expected)
+    assert answers == {True, False}  # both sides of the boundary were met
+    assert kernel.lead_is_certain(-1.0, -math.inf, 1e9, 1.0)

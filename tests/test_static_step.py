@@ -240,7 +240,7 @@ def test_scores_and_token_rules_in_the_call():
         step.token_rules = (d.pad(), d.unk(), 0.5)
         features = step.forward_packed(block, torch.zeros(3, dtype=torch.long), layout, enc, state)
         best_values, best_tokens = step.best_two(features)
-        assert step.applies_token_rules
+        assert step.token_rules is not None
         lprobs = step.log_probs(features)
         expected = token_rules(BlockDecoder.log_probs(step, features), d.pad(), d.unk(), 0.5)
         assert torch.allclose(lprobs, expected, rtol=0, atol=1e-6)

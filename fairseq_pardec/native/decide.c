@@ -69,6 +69,12 @@ static int lead_is_certain(double first, double second, double score_bound, doub
     return first - second > 2 * margin + rounding;
 }
 
+/* lead_is_certain for the test that holds it against margin_guard.lead_is_certain on random
+ * inputs (tests/test_decisions.py). */
+int pardec_lead_is_certain(double first, double second, double score_bound, double margin) {
+    return lead_is_certain(first, second, score_bound, margin);
+}
+
 /* The slots' names in their order, separated by spaces: native/library.py checks them against its own. */
 const char *pardec_decide_slot_names(void) { return slot_names; }
 

@@ -140,6 +140,10 @@ class NativeKernel:
         self.decide_rows = library.pardec_decide_rows
         self.decide_rows.restype = ctypes.c_int64
         self.decide_rows.argtypes = [ctypes.c_void_p, ctypes.c_double]
+        # the guard's certainty test as decide_rows applies it (margin_guard.lead_is_certain)
+        self.lead_is_certain = library.pardec_lead_is_certain
+        self.lead_is_certain.restype = ctypes.c_int
+        self.lead_is_certain.argtypes = [ctypes.c_double] * 4
         library.pardec_decide_slot_names.restype = ctypes.c_char_p
         names = tuple(library.pardec_decide_slot_names().decode().split())
         if names != tuple(name for group in DECIDE_NAMES for name in group):

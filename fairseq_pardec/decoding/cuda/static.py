@@ -403,11 +403,6 @@ class StaticBlockDecoder(LeanBlockDecoder):
         with self._lock:
             self._free_unused_memory(device)
 
-    def release_buffers(self):
-        """Drop every slot not in use and the graphs recorded on them (GPU memory)."""
-        with self._lock:
-            self._pool.evict_unused()
-
     def graph_count(self) -> int:
         """How many calls are recorded as CUDA graphs (benchmark, tests)."""
         return self._pool.graph_count()
@@ -683,12 +678,6 @@ class StaticBlockDecoder(LeanBlockDecoder):
             return None
         return (pending.best_values.index_select(0, pending.index),
                 pending.best_tokens.index_select(0, pending.index))
-
-    @property
-    def applies_token_rules(self) -> bool:
-        """Whether :meth:`log_probs` returns log-probabilities with fairseq's token rules
-        already applied (the caller must not apply them again)."""
-        return self.token_rules is not None
 
     # ------------------------------------------------------------------ cache surgery
     def reads_encoder_out(self, cache: StaticCache) -> bool:
