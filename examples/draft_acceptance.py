@@ -31,6 +31,8 @@ def greedy_outputs(path, dictionary):
 
 
 def tokens_per_iteration(make_drafter, sources, outputs, ids, eos):
+    from fairseq_pardec.decoding.draft_verify.drafters import DraftOutcome, DraftView
+
     tokens = iterations = 0
     for i in ids:
         drafter = make_drafter()
@@ -38,13 +40,12 @@ def tokens_per_iteration(make_drafter, sources, outputs, ids, eos):
         target, kept = outputs[i], [eos]
         while len(kept) - 1 < len(target):
             n = len(kept) - 1
-            draft, length = drafter.propose(state, torch.tensor([0]), torch.tensor([kept]),
-                                            torch.tensor([n]), torch.tensor([len(target) - n - 1]))
-            draft = draft[0, : int(length[0])].tolist()
+            draft = drafter.propose(state, DraftView([0], [n], [len(target) - n - 1],
+                                                     torch.tensor([kept])))[0]
             accepted = 0
             while accepted < len(draft) and draft[accepted] == target[n + accepted]:
                 accepted += 1
-            drafter.observe(state, torch.tensor([0]), None, torch.tensor([accepted]))
+            drafter.observe(state, DraftOutcome([0], [accepted]))
             kept += target[n: n + accepted + 1]  # the accepted drafts and the verifier's token
             iterations += 1
         tokens += len(target)

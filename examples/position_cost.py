@@ -33,7 +33,7 @@ def main():
     plugin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fairseq_pardec")
     utils.import_user_module(argparse.Namespace(user_dir=os.path.normpath(plugin)))
     from fairseq_pardec.decoding.registry import DraftVerifyGenerator, ExactAcceptance
-    from fairseq_pardec.decoding.draft_verify.drafters import Drafter, NoDrafter, pad_drafts
+    from fairseq_pardec.decoding.draft_verify.drafters import Drafter, NoDrafter
 
     overrides = {"data": args.data}
     if args.source_lang:
@@ -55,9 +55,8 @@ def main():
         def __init__(self, k):
             self.k = k
 
-        def propose(self, state, rows, tokens, n_out, max_len):
-            lengths = torch.clamp(max_len, max=self.k).tolist()
-            return pad_drafts([[token] * n for n in lengths], dictionary.pad(), tokens.device)
+        def propose(self, state, view):
+            return [[token] * min(room, self.k) for room in view.room]
 
     generators = {k: DraftVerifyGenerator([model], dictionary, Repeat(k) if k else NoDrafter(),
                                           ExactAcceptance(), max_len_a=1.2, max_len_b=10)

@@ -110,13 +110,13 @@ def test_a_drafter_that_drafts_nothing_is_not_asked(name):
                "lookup": LookupDrafter(d, d, adaptive=True),
                "auto": AutoDrafter(d, d, prices=CPU_PRICES)}[name]
     asked = []
-    propose = drafter.propose_lists  # how the engine asks a drafter on the host
+    propose = drafter.propose
 
-    def counting(state, rows, *args):
-        asked.append(len(rows))
-        return propose(state, rows, *args)
+    def counting(state, view):
+        asked.append(len(view.rows))
+        return propose(state, view)
 
-    drafter.propose_lists = counting
+    drafter.propose = counting
     generator = DraftVerifyGenerator([model], d, drafter, ExactAcceptance(), max_len_a=1.2,
                                      max_len_b=10, backoff=name != "auto")
     sample = random_batch(d, [10 + (i * 7) % 25 for i in range(32)], seed=3)

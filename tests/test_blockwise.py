@@ -136,21 +136,27 @@ def test_shortlisted_heads_stay_lossless(trained_heads, batch_size):
 def test_adaptive_caps_follow_acceptance(trained_heads):
     """Rows whose proposals are rejected draft 1 head's token; the cap grows back with
     acceptance and never passes the model's heads."""
-    from fairseq_pardec.decoding.draft_verify.drafters import HeadsDrafter
+    from fairseq_pardec.decoding.draft_verify.drafters import (DraftOutcome, DraftView,
+                                                              HeadsDrafter)
 
     _, model, task, make_sample = trained_heads
     drafter = HeadsDrafter(model.decoder, task.target_dictionary.pad(), 4, adaptive=True)
     sample = make_sample(2, seed=7)
     state = drafter.start(sample, None, task.target_dictionary.eos())
-    rows = torch.arange(2)
+    rows = [0, 1]
     features = torch.randn(2, model.decoder.output_embed_dim)
+    newest = torch.full((2,), task.target_dictionary.eos())
+
+    def outcome(accepted):
+        return DraftOutcome(rows, accepted, features=features, newest=newest)
+
     # first call: no draft
-    drafter.observe(state, rows, features, torch.zeros(2, dtype=torch.long))
-    assert state.next_len.tolist() == [3, 3]
+    drafter.observe(state, outcome([0, 0]))
+    assert state.next_len == [3, 3]
     for _ in range(4):  # row 0 accepts nothing, row 1 everything
-        draft, lengths = drafter.propose(state, rows, None, None, torch.full((2,), 10))
-        drafter.observe(state, rows, features, torch.tensor([0, int(lengths[1])]))
-    assert state.next_len.tolist() == [1, 3]
+        drafts = drafter.propose(state, DraftView(rows, [0, 0], [10, 10], None))
+        drafter.observe(state, outcome([0, len(drafts[1])]))
+    assert state.next_len == [1, 3]
 
 
 @pytest.mark.trains

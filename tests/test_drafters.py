@@ -7,6 +7,7 @@ import torch
 
 from fairseq_pardec.decoding.draft_verify.drafters import CopyDrafter, SourceVocabularyMap
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, AdaptiveCaps,
+                                                                DraftOutcome, DraftView,
                                                                 ProbeSchedule)
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import CPU_PRICES, FixedPrices
 from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
@@ -28,9 +29,8 @@ def propose(started, d, output_words, limit=100, tgt=None):
     drafter, state = started
     tgt = tgt or d
     toks = torch.tensor([[tgt.eos()] + [tgt.index(w) for w in output_words]])
-    draft, n = drafter.propose(state, torch.tensor([0]), toks,
-                               torch.tensor([len(output_words)]), torch.tensor([limit]))
-    return [tgt[i] for i in draft[0, : int(n[0])].tolist()]
+    draft = drafter.propose(state, DraftView([0], [len(output_words)], [limit], toks))[0]
+    return [tgt[i] for i in draft]
 
 
 def test_initial_draft_is_whole_source_with_eos():
@@ -90,19 +90,19 @@ def test_adaptive_cap_follows_each_rows_acceptance():
                           adaptive=True)
     drafter, state = started
     assert propose(started, d, []) == ["w1", "w2", "w3", "w4", "w5", "w6"]  # no history: the cap
-    drafter.observe(state, None, None, torch.tensor([0]))  # first draft token rejected
+    drafter.observe(state, DraftOutcome([0], [0]))  # first draft token rejected
     assert propose(started, d, ["w9"]) == []  # w9 is not in the source: no draft, no update
-    drafter.observe(state, None, None, torch.tensor([0]))
+    drafter.observe(state, DraftOutcome([0], [0]))
     assert state.schedule.caps["copy"].mean[0] == 0
     assert propose(started, d, ["w9", "w2"]) == ["w3"]  # 2 * 0 + 1
-    drafter.observe(state, None, None, torch.tensor([1]))  # accepted: mean 0.5 -> cap 2
+    drafter.observe(state, DraftOutcome([0], [1]))  # accepted: mean 0.5 -> cap 2
     assert propose(started, d, ["w9", "w2", "w3"]) == ["w4", "w5"]
-    drafter.observe(state, None, None, torch.tensor([2]))  # mean 1.25 -> cap 3
+    drafter.observe(state, DraftOutcome([0], [2]))  # mean 1.25 -> cap 3
     assert propose(started, d, ["w9", "w2", "w3", "w4", "w5"]) == ["w6", "w7", "w8"]
     # a fixed --block-size is the user's: no adaptation
     fixed, fixed_state = drafter_for(["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"], d,
                                      block_size=6)
-    fixed.observe(fixed_state, None, None, torch.tensor([0]))
+    fixed.observe(fixed_state, DraftOutcome([0], [0]))
     assert propose((fixed, fixed_state), d, ["w9", "w2"]) == ["w3", "w4", "w5", "w6", "w7", "w8"]
 
 
@@ -127,25 +127,27 @@ def test_incremental_reading_proposes_the_full_buffer_rules_drafts():
         adaptive = trial % 2 == 0
         ours, ref = CopyDrafter(d, d, adaptive=adaptive), FullBufferCopyDrafter(d, d, adaptive=adaptive)
         states = {drafter: drafter.start(sample, None, d.eos()) for drafter in (ours, ref)}
-        rows = torch.arange(bsz)
+        rows = list(range(bsz))
         tokens = torch.full((bsz, 40), d.pad())
         tokens[:, 0] = d.eos()
-        n_out = torch.zeros(bsz, dtype=torch.long)
-        while rows.numel() and int(n_out.max()) < 30:
-            room = 30 - n_out
-            a, a_len = ours.propose(states[ours], rows, tokens, n_out, room)
-            b, b_len = ref.propose(states[ref], rows, tokens, n_out, room)
-            assert torch.equal(a, b) and torch.equal(a_len, b_len)
+        n_out = [0] * bsz
+        while rows and max(n_out) < 30:
+            room = [30 - n for n in n_out]
+            a = ours.propose(states[ours], DraftView(rows, n_out, room, tokens))
+            b = ref.propose(states[ref], DraftView(rows, n_out, room, tokens))
+            assert a == b
             # accept a random prefix of each draft, then one token of the "verifier"
-            acc = torch.stack([torch.randint(0, int(n) + 1, (1,), generator=g)[0] for n in a_len])
-            for i in range(rows.numel()):
-                new = a[i, : int(acc[i])].tolist() + [int(torch.randint(4, len(d), (1,), generator=g))]
-                tokens[i, int(n_out[i]) + 1 : int(n_out[i]) + 1 + len(new)] = torch.tensor(new)
+            acc = [int(torch.randint(0, len(draft) + 1, (1,), generator=g)[0]) for draft in a]
+            for i in range(len(rows)):
+                new = a[i][: acc[i]] + [int(torch.randint(4, len(d), (1,), generator=g))]
+                tokens[i, n_out[i] + 1: n_out[i] + 1 + len(new)] = torch.tensor(new)
                 n_out[i] += len(new)
             for drafter in (ours, ref):
-                drafter.observe(states[drafter], rows, None, acc)
-            alive = torch.rand(rows.numel(), generator=g) > 0.15
-            rows, tokens, n_out = rows[alive], tokens[alive], n_out[alive]
+                drafter.observe(states[drafter], DraftOutcome(rows, acc))
+            alive = (torch.rand(len(rows), generator=g) > 0.15).tolist()
+            rows = [r for r, keep in zip(rows, alive) if keep]
+            n_out = [n for n, keep in zip(n_out, alive) if keep]
+            tokens = tokens[torch.tensor(alive, dtype=torch.bool)]
 
 
 def test_cpu_ceiling_shrinks_with_the_active_rows():
@@ -292,21 +294,16 @@ class OracleDrafter(Drafter):
     """Drafts fairseq greedy's own continuation, EOS included, and records what the engine
     reports kept."""
 
-    observes_features = False
-
     def __init__(self, outputs):
         self.outputs, self.drafted, self.kept = outputs, {}, []
 
-    def propose_lists(self, state, rows, tokens, n_out, room):
-        drafts = [self.outputs[r][n: n + k] for r, n, k in zip(rows, n_out, room)]
-        self.drafted = dict(zip(rows, drafts))
+    def propose(self, state, view):
+        drafts = [self.outputs[r][n: n + k] for r, n, k in zip(view.rows, view.n_out, view.room)]
+        self.drafted = dict(zip(view.rows, drafts))
         return drafts
 
-    def observe(self, state, rows, features, last, tokens=None):
-        self.observe_kept(state, rows.tolist(), last.tolist())
-
-    def observe_kept(self, state, rows, kept):
-        self.kept += [(self.drafted[r], k) for r, k in zip(rows, kept)]
+    def observe(self, state, outcome):
+        self.kept += [(self.drafted[r], k) for r, k in zip(outcome.rows, outcome.accepted)]
 
 
 @pytest.mark.trains

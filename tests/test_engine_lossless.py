@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
-from fairseq_pardec.decoding.draft_verify.drafters import Drafter, pad_drafts
+from fairseq_pardec.decoding.draft_verify.drafters import Drafter
 
 from helpers import (
     by_id,
@@ -119,12 +119,12 @@ class RandomDrafter(Drafter):
         self.vocab, self.pad = vocab, pad
         self.g = torch.Generator().manual_seed(seed)
 
-    def propose(self, state, rows, tokens, n_out, max_len):
+    def propose(self, state, view):
         drafts = []
-        for limit in max_len.tolist():
+        for limit in view.room:
             n = int(torch.randint(0, 9, (1,), generator=self.g))
             drafts.append(torch.randint(4, self.vocab, (min(n, limit),), generator=self.g).tolist())
-        return pad_drafts(drafts, self.pad, tokens.device)
+        return drafts
 
 
 @pytest.mark.trains

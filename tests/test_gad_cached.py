@@ -6,6 +6,8 @@ import copy
 import pytest
 import torch
 
+from fairseq_pardec.decoding.draft_verify.drafters import DraftView
+
 from fairseq_pardec.decoding.registry import DraftVerifyGenerator
 from fairseq_pardec.decoding.draft_verify.acceptance import ExactAcceptance
 from fairseq_pardec.decoding.draft_verify.drafters import CachedNARDrafter
@@ -108,7 +110,7 @@ def test_cached_drafting_equals_full_forward(copy_model, reads_verifier, step):
     rows = torch.arange(bsz)
     for it in range(7):
         room = max_len - n_out
-        drafter.propose(state, rows, tokens, n_out, room)
+        drafter.propose(state, DraftView(rows.tolist(), n_out.tolist(), room.tolist(), tokens))
         got = seen[-1]
         inputs, slots = model.draft_inputs(tokens, n_out, 4)
         enc = model.encoder.reorder_encoder_out(full_encoder, rows)
@@ -194,10 +196,10 @@ def test_shortlisted_drafts_stay_lossless(trained_causal_drafter, batch_size):
     drafted = []
     propose = drafter.propose
 
-    def recording(*args):
-        draft, lengths = propose(*args)
-        drafted.extend(t for row, n in zip(draft.tolist(), lengths.tolist()) for t in row[:n])
-        return draft, lengths
+    def recording(state, view):
+        drafts = propose(state, view)
+        drafted.extend(t for draft in drafts for t in draft)
+        return drafts
 
     drafter.propose = recording
     generator = DraftVerifyGenerator([verifier], d, drafter, ExactAcceptance(),

@@ -4,6 +4,8 @@ identical to fairseq greedy whatever is drafted."""
 import pytest
 import torch
 
+from fairseq_pardec.decoding.draft_verify.drafters import DraftView
+
 from fairseq_pardec.errors import UsageError
 from fairseq_pardec.decoding.registry import DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
@@ -88,9 +90,7 @@ def drafts_after(drafter, sample, output, cap=8):
     """The draft proposed for row 0 after ``output`` (BOS excluded) was accepted."""
     state = drafter.start(sample, None, EOS)
     tokens = torch.tensor([[EOS] + output])
-    draft, length = drafter.propose(state, torch.tensor([0]), tokens, torch.tensor([len(output)]),
-                                    torch.tensor([cap]))
-    return draft[0, : int(length[0])].tolist()
+    return drafter.propose(state, DraftView([0], [len(output)], [cap], tokens))[0]
 
 
 def test_drafts_from_the_source_then_the_output_then_the_table():

@@ -39,27 +39,15 @@ def _recording(drafter):
     """Per thread, every draft the drafter proposed; a pause after each lets the other thread
     run in between (the drafter's per-batch state is what the threads would share)."""
     drafts = {}
-    if drafter.on_device:
-        propose = drafter.propose
+    propose = drafter.propose
 
-        def recorded(state, rows, tokens, n_out, max_len):
-            draft, length = propose(state, rows, tokens, n_out, max_len)
-            drafts.setdefault(threading.get_ident(), []).append((draft.tolist(),
-                                                                 length.tolist()))
-            time.sleep(0.002)
-            return draft, length
-
-        drafter.propose = recorded
-        return drafts
-    propose_lists = drafter.propose_lists  # how the engine asks a drafter on the host
-
-    def recorded_lists(state, rows, tokens, n_out, room):
-        lists = propose_lists(state, rows, tokens, n_out, room)
+    def recorded(state, view):
+        lists = propose(state, view)
         drafts.setdefault(threading.get_ident(), []).append(lists)
         time.sleep(0.002)
         return lists
 
-    drafter.propose_lists = recorded_lists
+    drafter.propose = recorded
     return drafts
 
 

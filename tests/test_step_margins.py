@@ -6,7 +6,7 @@ read of the device per iteration."""
 import pytest
 import torch
 
-from fairseq_pardec.decoding.draft_verify.drafters import Drafter, NoDrafter, pad_drafts
+from fairseq_pardec.decoding.draft_verify.drafters import Drafter, NoDrafter
 from fairseq_pardec.decoding.registry import DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder
@@ -64,10 +64,9 @@ class AlwaysDrafts(Drafter):
         self.vocab, self.pad = vocab, pad
         self.g = torch.Generator().manual_seed(0)
 
-    def propose(self, state, rows, tokens, n_out, max_len):
-        drafts = [torch.randint(4, self.vocab, (min(2, room),), generator=self.g).tolist()
-                  for room in max_len.tolist()]
-        return pad_drafts(drafts, self.pad, tokens.device)
+    def propose(self, state, view):
+        return [torch.randint(4, self.vocab, (min(2, room),), generator=self.g).tolist()
+                for room in view.room]
 
 
 def static_step_or_skip(decoder):

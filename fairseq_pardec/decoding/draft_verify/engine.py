@@ -62,7 +62,7 @@ from fairseq_pardec.decoding.step.margins import (refuse_reduced_precision_matmu
                                                   warn_unguarded_precision)
 from fairseq_pardec.decoding.draft_verify.decisions import decide, read_positions, sampled
 from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
-from fairseq_pardec.decoding.draft_verify.drafters.base import Drafter
+from fairseq_pardec.decoding.draft_verify.drafters.base import DraftOutcome, Drafter, DraftView
 from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
 from fairseq_pardec.decoding.step_factory import StepChoice
@@ -134,7 +134,7 @@ class DraftVerifyGenerator(StatsGenerator):
         self.symbols_to_strip_from_output = {self.eos}
         self.src_pad = self.pad
         # rows whose drafts keep being rejected stop drafting for a while (draft_verify/backoff.py)
-        self.backoff = backoff and not drafter.drafts_nothing
+        self.backoff = backoff
         # --sampling: speculative sampling replaces the acceptance rule (speculative.py)
         self.sampler = sampler
         if sampler is not None:
@@ -306,10 +306,9 @@ class DraftVerifyGenerator(StatsGenerator):
         (a row inside its --prefix-size prefix drafts the prefix)."""
         drafter, state, schedule = self.drafter, batch.drafts, batch.schedule
         if batch.prefix is None or batch.prefix.size(1) == 0:
-            # a drafter that drafts nothing is not asked, nor one whose schedule knows that no
-            # row drafts now (a quiet spell, every row waiting in the back-off)
-            if drafter.drafts_nothing or not schedule.drafts_now(len(batch.rows_host),
-                                                                 batch.iteration):
+            # a drafter is not asked where its schedule knows that no row drafts now (one that
+            # never drafts, a quiet spell, every row waiting in the back-off)
+            if not schedule.drafts_now(len(batch.rows_host), batch.iteration):
                 return Block.last_tokens(batch, self.pad, proposed=False)
         # the room before EOS is forced, less what the back-off withholds
         room = schedule.room(batch.room(), batch.iteration)
@@ -322,21 +321,15 @@ class DraftVerifyGenerator(StatsGenerator):
         return Block.from_lists(batch, drafts, self.pad, q)
 
     def _propose(self, batch: Batch, room: List[int]) -> List[List[int]]:
-        """The drafter's drafts as lists. A drafter on the host reads the host's tables and
-        lists; one on the device (a drafter model) gets their copies, and its drafts are
-        read."""
-        drafter, state = self.drafter, batch.drafts
-        if drafter.on_device:  # (the token table is copied for a drafter that reads it)
-            device, tokens = batch.device, batch.tokens if drafter.reads_tokens else None
-            if tokens is not None:
-                tokens = to_device(tokens, device)
-            room = torch.tensor(room, dtype=torch.long).to(device, non_blocking=True)
-            state.longest = batch.longest
-            draft, lengths = drafter.propose(state, batch.rows, tokens, batch.n_out, room)
-            host = self.read(torch.cat([lengths.unsqueeze(1), draft], 1)).tolist()
-            return [row[1: 1 + row[0]] for row in host]
-        return drafter.propose_lists(state, batch.rows_host, batch.tokens,
-                                     batch.n_out_np.tolist(), room)
+        """The drafter's drafts as lists, from the host's tables and lists; a drafter model
+        gets the engine's device copies of what it asks for, and its drafts are read by the
+        engine's read."""
+        device = batch.device
+        view = DraftView(batch.rows_host, batch.n_out_np.tolist(), room, batch.tokens, device,
+                         batch.longest, copy=lambda host: to_device(host, device),
+                         read=self.read, rows_on_device=batch.rows,
+                         n_out_on_device=batch.n_out)
+        return self.drafter.propose(batch.drafts, view)
 
     def _verify(self, batch: Batch, block: Block):
         """2. One decoder call over every row's [last accepted token, draft]; the position-wise
@@ -396,27 +389,24 @@ class DraftVerifyGenerator(StatsGenerator):
         batch.step.rollback(batch.cache, block.width + 1, kept, keep_range=(fewest, most))
 
     def _observe(self, batch: Batch, features: Tensor, outcome):
-        """Show the drafter each row's block position of its last kept token, and where it
-        reads them, the verifier's features there and that token (blockwise decoding's
-        proposal heads: merged invocation)."""
-        drafter, device = self.drafter, batch.device
-        if not drafter.observes_features and not drafter.on_device:  # lists suffice
-            with batch.drafter_timer:
-                drafter.observe_kept(batch.drafts, batch.rows_host, outcome.accepted.tolist())
-            return
-        # the accepted draft tokens, not the gained ones less the verifier's own: a draft
-        # accepted up to its EOS gains no token of the verifier's
-        last = torch.from_numpy(outcome.accepted)
-        last_features = last_tokens = None
-        if drafter.observes_features:
-            at = to_device(torch.from_numpy(outcome.last_pos), device)
-            last_features = features.index_select(0, at)
-            last_tokens = to_device(torch.from_numpy(batch.last), device)
-        rows = torch.tensor(batch.rows_host)
-        if drafter.on_device:
-            rows, last = batch.rows, to_device(last, device)
+        """Show the drafter what each row kept of its draft (the accepted draft tokens, not
+        the gained ones less the verifier's own: a draft accepted up to its EOS gains no token
+        of the verifier's); where it asks, the verifier's features after each row's last kept
+        token and that token (blockwise decoding's proposal heads: merged invocation)."""
+        device = batch.device
+        last_pos, last = outcome.last_pos, batch.last
+
+        def features_at_last() -> Tensor:
+            return features.index_select(0, to_device(torch.from_numpy(last_pos), device))
+
+        def newest() -> Tensor:
+            return to_device(torch.from_numpy(last), device)
+
+        seen = DraftOutcome(batch.rows_host, outcome.accepted.tolist(), device,
+                            features=features_at_last, newest=newest,
+                            copy=lambda host: to_device(host, device), rows_on_device=batch.rows)
         with batch.drafter_timer:
-            drafter.observe(batch.drafts, rows, last_features, last, last_tokens)
+            self.drafter.observe(batch.drafts, seen)
 
     def _retire(self, batch: Batch, outcome) -> List[int]:
         """5. Finalize the rows that emitted EOS and drop them; returns their ids."""

@@ -7,7 +7,8 @@ what a draft must gain) and ``loading`` (a drafter checkpoint next to its verifi
 """
 
 from fairseq_pardec.decoding.draft_verify.drafters.auto import AutoDrafter
-from fairseq_pardec.decoding.draft_verify.drafters.base import Drafter, NoDrafter, pad_drafts
+from fairseq_pardec.decoding.draft_verify.drafters.base import (DraftOutcome, Drafter, DraftView,
+                                                                NoDrafter, pad_drafts)
 from fairseq_pardec.decoding.draft_verify.drafters.glat import CachedNARDrafter, NARDrafter
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (FixedPrices, IterationPrices,
@@ -15,6 +16,6 @@ from fairseq_pardec.decoding.draft_verify.drafters.pricing import (FixedPrices, 
 from fairseq_pardec.decoding.draft_verify.drafters.proposal_heads import HeadsDrafter
 from fairseq_pardec.decoding.draft_verify.drafters.source_copy import CopyDrafter, SourceVocabularyMap
 
-__all__ = ["Drafter", "NoDrafter", "pad_drafts", "CopyDrafter", "SourceVocabularyMap",
+__all__ = ["Drafter", "DraftView", "DraftOutcome", "NoDrafter", "pad_drafts", "CopyDrafter", "SourceVocabularyMap",
            "LookupDrafter", "NgramTable", "HeadsDrafter", "NARDrafter", "CachedNARDrafter",
            "AutoDrafter", "IterationPrices", "FixedPrices", "MeasuredPrices"]

@@ -64,7 +64,6 @@ class AutoDrafter(LookupDrafter):
         # the rows' probes, across batches: a fresh row's first wait (AcceptanceHistory.probed)
         self.probe_history = AcceptanceHistory()
         self.heads = model is not None and model_kind == "blockwise"
-        self.observes_features = self.heads
         # a drafter model drafts from every verification: the schedule never rests then
         self.rests = model is None
         self.stats = None  # the generator's DecodeStats (drafters' shares), set by the builder
@@ -89,9 +88,10 @@ class AutoDrafter(LookupDrafter):
         return state
 
     # ------------------------------------------------------------------ choosing
-    def propose_lists(self, state, rows, tokens, n_out, room):
+    def propose(self, state, view):
         if self.model is None:  # the cheap drafters alone: the copy drafter's way
-            return super().propose_lists(state, rows, tokens, n_out, room)
+            return super().propose(state, view)
+        rows, tokens, n_out, room = view.rows, view.tokens, view.n_out, view.room
         schedule = state.schedule
         began = schedule.start_clock()
         active = len(rows)
@@ -103,8 +103,7 @@ class AutoDrafter(LookupDrafter):
         self._read_drafting_rows(state, rows, tokens, n_out, [len(p) for p in plans])
         model_drafts, model_q = None, None
         if model_rows:
-            model_drafts, model_q = self._model_drafts(state, rows, tokens, n_out, plans,
-                                                        model_rows)
+            model_drafts, model_q = self._model_drafts(state, view, plans, model_rows)
         drafts, chosen = self._first_drafts(state, rows, n_out, plans,
                                             {self.model_kind: model_drafts or {}})
         schedule.chose(rows, chosen, drafts)
@@ -133,22 +132,16 @@ class AutoDrafter(LookupDrafter):
             plans[i] = [option for option in plans[i] if option[1] != kind]
         return set()
 
-    def _model_drafts(self, state: AutoState, rows, tokens, n_out, plans, model_rows):
+    def _model_drafts(self, state: AutoState, view, plans, model_rows):
         """The drafter model's drafts of ``model_rows`` (by position among the active rows),
         each cut at its paying length, and their q under speculative sampling."""
-        caps = [0] * len(rows)
+        caps = [0] * len(view.rows)
         for i in model_rows:
             caps[i] = next(length for _, kind, length in plans[i] if kind == self.model_kind)
-        # the drafter model drafts on the model's device, from copies of the host's tables
-        device = state.model_device
-        caps = torch.tensor(caps, dtype=torch.long).to(device, non_blocking=True)
-        state.model.longest = max(n_out, default=0)
-        draft, lengths = self.model.propose(
-            state.model, torch.tensor(rows).to(device, non_blocking=True),
-            tokens.clone().to(device, non_blocking=True),
-            torch.tensor(n_out).to(device, non_blocking=True), caps)
-        draft, lengths = draft.tolist(), lengths.tolist()  # the drafter model's read
-        drafts = {i: draft[i][: lengths[i]] for i in model_rows}
+        # the heads' proposals were made after the last verification; gad drafts now, on the
+        # model's device, from the view's copies
+        draft = self.model.draft(state.model, view, caps)
+        drafts = {i: draft[i] for i in model_rows}
         return drafts, state.model.draft_probs if self.sampler is not None else None
 
     def _mixed_q(self, drafts, chosen, model_q, device):
@@ -165,49 +158,34 @@ class AutoDrafter(LookupDrafter):
         return q
 
     # ------------------------------------------------------------------ after verification
-    def observe_kept(self, state, rows, kept):
-        if self.model is None:
-            self._learn(state, kept)
-        else:  # gad's own caps learn too, on its device
-            self.observe(state, torch.tensor(rows), None, torch.tensor(kept))
-
-    def observe(self, state, rows, features, last, tokens=None):
-        self._learn(state, last.tolist())
-        if self.model is None:
-            return
+    def observe(self, state, outcome):
+        self._learn(state, outcome.accepted)
         if self.heads:
-            self._heads_propose(state, rows, features, last, tokens)
-        else:  # gad's own caps follow what its drafts kept (a no-op where it did not run);
-            # they live on the model's device, and the engine gives auto the host's rows
-            device = state.model_device
-            self.model.observe(state.model, rows.to(device, non_blocking=True), features,
-                               last.to(device, non_blocking=True), tokens)
+            self._heads_propose(state, outcome)
 
-    def _heads_propose(self, state: AutoState, rows, features, last, tokens):
+    def _heads_propose(self, state: AutoState, outcome):
         """Run the proposal heads for the rows whose heads' draft would pay next iteration
         (by their estimates now), the others get none."""
         heads, schedule = self.model, state.schedule
         heads_state = state.model
-        heads_state.next_len.zero_()
-        row_ids = rows.tolist()
-        active = len(row_ids)
+        heads_state.next_len = [0] * len(heads_state.next_len)
+        active = len(outcome.rows)
         value, position, drafting_row = self.prices.prices(active)
         ceiling = min(self._ceiling(state, active), heads.width)
         chosen, caps = [], []
-        for i, row in enumerate(row_ids):
+        for i, row in enumerate(outcome.rows):
             options = schedule.options(row, ceiling, value, position, drafting_row, self.kinds)
             if options and options[0][1] == self.model_kind:
                 chosen.append(i)
                 caps.append(options[0][2])
         if not chosen:
             return
-        # the heads run on the model's device: what they read is copied there
-        device = features.device
-        at = torch.tensor(chosen, dtype=torch.long)
-        on_device = at.to(device, non_blocking=True)
-        heads.observe(heads_state, rows[at].to(device, non_blocking=True), features[on_device],
-                      last[at].to(device, non_blocking=True),
-                      None if tokens is None else tokens[on_device],
-                      caps=torch.tensor(caps, dtype=torch.long).to(device, non_blocking=True))
+        # the heads run on the model's device: what they read is gathered there
+        at = outcome.on_device(chosen)
+        features = outcome.features().index_select(0, at)
+        tokens = None
+        if heads.decoder.proposals_read_tokens:
+            tokens = outcome.newest().index_select(0, at)
+        heads.propose_next(heads_state, outcome, features, tokens, caps, at=chosen)
         if schedule.clock is not None:
             schedule.clock.model_ran()

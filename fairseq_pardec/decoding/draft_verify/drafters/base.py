@@ -1,8 +1,12 @@
 """The drafter interface of the draft-and-verify engine, and what drafters share.
 
-A drafter gets the batch once (``start``, which returns the batch's state) and is then asked,
-every iteration, for up to ``max_len[b]`` draft tokens per active row given the tokens accepted
-so far. The parts of a batch's schedule (schedule.py): the per-row caps and acceptance estimates
+A drafter gets the batch once (``start``, which returns the batch's state) and then has two
+methods: ``propose(state, view)``, per active row a draft of at most its room of tokens, as a
+list, and ``observe(state, outcome)``, what each row kept of it. The view and the outcome hold
+the host's lists; what a drafter model needs on the device (the rows, the token table, the
+verifier's features after each row's last kept token) they copy or gather when first asked,
+and the drafts a model made there are read through ``view.read``: the engine's copies and
+reads, made only for a drafter that asks. The parts of a batch's schedule (schedule.py): the per-row caps and acceptance estimates
 (``AdaptiveCaps``), when rows that draft nothing try again (``ProbeSchedule``), the iterations
 in which surely no row drafts (``QuietSpell``) and a drafter's acceptance across batches
 (``AcceptanceHistory``).
@@ -43,6 +47,112 @@ def place_rows(target, source, names, ids: List[int]):
             else:
                 raise ValueError("row id %d skips ids after the %d kept in %s"
                                  % (row, len(mine), name))
+
+
+def _host_to(device):
+    """The engine's way to ``device`` where none is given: a plain copy."""
+    def copy(values):
+        return values.to(device, non_blocking=True)
+    return copy
+
+
+def _plain_read(tensor: Tensor) -> Tensor:
+    return tensor.cpu()
+
+
+class DraftView:
+    """One iteration's active rows as a drafter reads them (``Drafter.propose``).
+
+    On the host: ``rows`` (their ids), ``n_out`` (tokens each has accepted), ``room`` (the most
+    draft tokens each may take), ``tokens`` (B, T) (BOS, then each row's accepted tokens) and
+    ``longest`` (the most any has accepted). On ``device`` (the model's), copies made when first
+    asked for and kept for the iteration (``rows_on_device``, ``n_out_on_device``,
+    ``tokens_on_device``, ``on_device`` for a list of the drafter's own), and ``read`` for the
+    drafts made there. The engine gives its own copies and its read (which it counts); the
+    defaults copy and read plainly (tests, examples)."""
+
+    __slots__ = ("rows", "n_out", "room", "tokens", "longest", "device", "_copy", "_read",
+                 "_rows_on_device", "_n_out_on_device", "_tokens_on_device")
+
+    def __init__(self, rows: List[int], n_out: List[int], room: List[int], tokens: Tensor,
+                 device=None, longest: Optional[int] = None, copy=None, read=None,
+                 rows_on_device: Optional[Tensor] = None,
+                 n_out_on_device: Optional[Tensor] = None):
+        self.rows, self.n_out, self.room, self.tokens = rows, n_out, room, tokens
+        self.longest = max(n_out, default=0) if longest is None else longest
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._copy = copy if copy is not None else _host_to(self.device)
+        self._read = read if read is not None else _plain_read
+        self._rows_on_device, self._n_out_on_device = rows_on_device, n_out_on_device
+        self._tokens_on_device = None
+
+    def on_device(self, values: List[int]) -> Tensor:
+        """(B,) int64 on the model's device, from a list of the host's."""
+        return self._copy(torch.tensor(values, dtype=torch.long))
+
+    def rows_on_device(self) -> Tensor:
+        if self._rows_on_device is None:
+            self._rows_on_device = self.on_device(self.rows)
+        return self._rows_on_device
+
+    def n_out_on_device(self) -> Tensor:
+        if self._n_out_on_device is None:
+            self._n_out_on_device = self.on_device(self.n_out)
+        return self._n_out_on_device
+
+    def tokens_on_device(self) -> Tensor:
+        """The token table on the device (a copy, which the drafter may not change)."""
+        if self._tokens_on_device is None:
+            self._tokens_on_device = self._copy(self.tokens)
+        return self._tokens_on_device
+
+    def read(self, draft: Tensor, lengths) -> List[List[int]]:
+        """Drafts made on the device, (B, K) and each row's length ((B,) on the device too, or
+        a list), as lists: one read."""
+        if isinstance(lengths, list):
+            return [row[:n] for row, n in zip(self._read(draft).tolist(), lengths)]
+        host = self._read(torch.cat([lengths.unsqueeze(1), draft], 1)).tolist()
+        return [row[1: 1 + row[0]] for row in host]
+
+
+class DraftOutcome:
+    """What the verification of one iteration's drafts gave (``Drafter.observe``): per active
+    row (``rows``, their ids) the draft tokens it kept (``accepted``) and, on the model's
+    device and gathered when first asked for, the verifier's features after its last kept
+    token (``features``, (B, d)) and that token (``newest``, (B,)): blockwise decoding's heads
+    propose from them (merged invocation)."""
+
+    __slots__ = ("rows", "accepted", "device", "_copy", "_features", "_newest", "_gathered",
+                 "_rows_on_device")
+
+    def __init__(self, rows: List[int], accepted: List[int], device=None, features=None,
+                 newest=None, copy=None, rows_on_device: Optional[Tensor] = None):
+        self.rows, self.accepted = rows, accepted
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._copy = copy if copy is not None else _host_to(self.device)
+        # tensors, or callables that gather them (the engine's: nothing is gathered unasked)
+        self._features, self._newest = features, newest
+        self._gathered = {}
+        self._rows_on_device = rows_on_device
+
+    def _get(self, name: str, made):
+        if name not in self._gathered:
+            self._gathered[name] = made() if callable(made) else made
+        return self._gathered[name]
+
+    def features(self) -> Optional[Tensor]:
+        return self._get("features", self._features)
+
+    def newest(self) -> Optional[Tensor]:
+        return self._get("newest", self._newest)
+
+    def on_device(self, values: List[int]) -> Tensor:
+        return self._copy(torch.tensor(values, dtype=torch.long))
+
+    def rows_on_device(self) -> Tensor:
+        if self._rows_on_device is None:
+            self._rows_on_device = self.on_device(self.rows)
+        return self._rows_on_device
 
 
 class ProbeSchedule:
@@ -117,12 +227,11 @@ class AdaptiveCaps:
     ceiling. ``initial`` is every row's mean before its first draft (``inf``: uncapped until
     then, the first draft's acceptance then is the mean). Float64: the halving keeps adding bits.
 
-    On the CPU the means are a Python list (double precision too), read and updated with a few
-    list operations per row where tensor operations cost a few microseconds each; elsewhere they
-    stay on the device, so that no iteration reads the device for them (the drafter models'
-    caps).
+    The means are a Python list (double precision too), read and updated with a few list
+    operations per row where tensor operations cost a few microseconds each, on every device:
+    the host knows what each row kept, so no iteration reads the device for them.
 
-    On the host each row also keeps an estimate of its per-position acceptance rate p (counts of
+    Each row also keeps an estimate of its per-position acceptance rate p (counts of
     accepted draft tokens and of first rejections, earlier drafts weighted down by RATE_DECAY,
     after a prior: 0.95, or with a ``history`` the drafter's rate over the rows before it): the
     j-th draft token is accepted with probability about p^j. A batch's schedule
@@ -139,34 +248,23 @@ class AdaptiveCaps:
     PROBE_AFTER = ProbeSchedule.PROBE_AFTER
     LONGEST_PROBE_WAIT = ProbeSchedule.LONGEST_PROBE_WAIT
 
-    def __init__(self, rows: int, initial: float, device, history: "AcceptanceHistory" = None):
-        self.on_host = torch.device(device).type == "cpu"
+    def __init__(self, rows: int, initial: float, history: "AcceptanceHistory" = None):
         self.history = history
-        if self.on_host and history is not None and history.mean_accepted is not None:
+        if history is not None and history.mean_accepted is not None:
             # a fresh row's first draft is as long as the drafter's recent drafts were worth,
             # not uncapped: on translation a sentence's first copy is rejected
             initial = min(initial, history.mean_accepted)
-        if self.on_host:
-            self.mean = [float(initial)] * rows
-            self.accepted = [0.0] * rows
-            self.rejected = [0.0] * rows
-        else:
-            self.mean = torch.full((rows,), float(initial), dtype=torch.float64, device=device)
+        self.mean = [float(initial)] * rows
+        self.accepted = [0.0] * rows
+        self.rejected = [0.0] * rows
 
-    def caps(self, rows: Tensor) -> Tensor:
-        """(B,) the most draft tokens each of ``rows`` may draft now (long)."""
-        if self.on_host:
-            return torch.tensor(self.host_caps(rows.tolist()), dtype=torch.long)
-        return (2 * self.mean[rows]).clamp(max=self.CEILING).long() + 1
-
-    def host_caps(self, rows: List[int]) -> List[int]:
-        """``caps`` on the host (CPU only)."""
-        mean = self.mean
-        return [int(min(2 * mean[r], self.CEILING)) + 1 for r in rows]
+    def cap(self, row: int, limit: int) -> int:
+        """The most draft tokens ``row`` may draft now, at most ``limit``."""
+        return min(limit, int(min(2 * self.mean[row], self.CEILING)) + 1)
 
     def acceptance_rate(self, row: int) -> float:
         """The row's estimated probability that a draft token is accepted, given the ones
-        before it were (CPU only)."""
+        before it were."""
         if self.history is None:
             prior_accepted, prior_rejected = self.PRIOR_ACCEPTED, self.PRIOR_REJECTED
         else:  # the drafter's rate so far, the rows of this batch included
@@ -175,20 +273,10 @@ class AdaptiveCaps:
         accepted = self.accepted[row] + prior_accepted
         return accepted / (accepted + self.rejected[row] + prior_rejected)
 
-    def update(self, rows: Tensor, drafted: Tensor, accepted: Tensor):
-        """After a verification: ``drafted`` (B,) draft lengths, ``accepted`` (B,) draft tokens
-        accepted. A row that drafted nothing keeps its mean: no draft says nothing about how
-        well it drafts."""
-        if self.on_host:
-            self.host_update(rows.tolist(), drafted.tolist(), accepted.tolist())
-            return
-        accepted = torch.minimum(accepted, drafted).to(torch.float64)
-        mean = self.mean[rows]
-        new = torch.where(torch.isinf(mean), accepted, 0.5 * (mean + accepted))
-        self.mean[rows] = torch.where(drafted > 0, new, mean)
-
-    def host_update(self, rows: List[int], drafted: List[int], accepted: List[int]):
-        """``update`` on the host (CPU only), with the same double-precision arithmetic."""
+    def update(self, rows: List[int], drafted: List[int], accepted: List[int]):
+        """After a verification: ``drafted`` draft lengths, ``accepted`` draft tokens accepted
+        (double precision). A row that drafted nothing keeps its mean: no draft says nothing
+        about how well it drafts."""
         mean, rate_accepted, rate_rejected = self.mean, self.accepted, self.rejected
         history = self.history
         for r, tried, kept in zip(rows, drafted, accepted):
@@ -266,10 +354,6 @@ class DraftState:
         # with --sampling, set by ``propose``: (B, K, V), the distribution each draft token
         # was drawn from (None: deterministic drafts, one-hot q)
         self.draft_probs = None
-        # the most tokens an active row has accepted, as the host knows it: set by the engine
-        # before each ``propose`` of a drafter on the device, whose drafts' width then needs
-        # no read of the device (None: not known)
-        self.longest = None
 
     # the lists a state keeps per row id (its subclasses' own), which ``absorb`` extends
     ROW_FIELDS = ()
@@ -281,7 +365,8 @@ class DraftState:
 
 
 class Drafter:
-    """Interface of the draft step of the draft-and-verify engine.
+    """Interface of the draft step of the draft-and-verify engine: ``start``, then per
+    iteration ``propose`` and ``observe`` (see the module's text).
 
     ``start`` returns the batch's :class:`DraftState` (a drafter's own subclass), which the
     engine passes to every later call of that batch. With ``--sampling`` (speculative sampling)
@@ -292,22 +377,9 @@ class Drafter:
 
     sampler = None
     temperature = 1.0
-    # whether ``observe`` reads its ``features`` and ``tokens`` (the engine gathers them for
-    # drafters that do: blockwise decoding's proposal heads)
-    observes_features = True
-    # True for a drafter that drafts on the model's device (a drafter model: gad's, blockwise
-    # decoding's heads): the engine gives it device copies of the rows, tokens and lengths and
-    # reads its drafts; the others draft on the host from the host's tables
-    on_device = False
-    # False for a drafter on the device that never reads ``propose``'s tokens (the heads draft
-    # from the verifier's features): the engine then copies no token table there
-    reads_tokens = True
-    # True for a drafter that never drafts (NoDrafter): the engine then builds one-position
-    # blocks directly and keeps no back-off
-    drafts_nothing = False
     # whether rows may join a running batch of this drafter's (its state's ``absorb``): the
     # drafters on the host keep plain lists per row; a drafter model's state on the device
-    # (its own cache, its caps) takes none
+    # (its own cache) takes none
     joins_rows = False
 
     def set_sampler(self, sampler, temperature: float = 1.0):
@@ -325,55 +397,29 @@ class Drafter:
 
     def start(self, sample, encoder_out, bos: int, schedule=None) -> DraftState:
         """Called once per batch, before the first iteration: the batch's state. ``schedule``:
-        the batch's DraftSchedule (schedule.py), which a drafter on the host has plan its
-        rows' drafts (None: a drafter that plans makes its own)."""
+        the batch's DraftSchedule (schedule.py), which plans the rows' drafts (None: a
+        drafter that plans makes its own)."""
         return DraftState()
 
-    def propose_lists(self, state: DraftState, rows: List[int], tokens: Tensor,
-                      n_out: List[int], room: List[int]) -> List[List[int]]:
-        """``propose`` of a drafter on the host, on the host's lists: per active row (``rows``,
-        its accepted tokens ``n_out``, its ``room`` for draft tokens) its draft as a list. The
-        engine asks a drafter on the host this way; the model-free drafters draft in lists,
-        and this default goes through ``propose``."""
-        draft, lengths = self.propose(state, torch.tensor(rows), tokens, torch.tensor(n_out),
-                                      torch.tensor(room, dtype=torch.long))
-        return [row[:n] for row, n in zip(draft.tolist(), lengths.tolist())]
-
-    def observe_kept(self, state: DraftState, rows: List[int], kept: List[int]):
-        """``observe`` of a drafter on the host that reads no features: per active row the
-        draft tokens it kept (lists). This default goes through ``observe``."""
-        self.observe(state, torch.tensor(rows), None, torch.tensor(kept))
-
-    def propose(self, state: DraftState, rows: Tensor, tokens: Tensor, n_out: Tensor,
-                max_len: Tensor):
-        """Draft tokens for the active rows.
-
-        Args:
-            state: the batch's state (``start``).
-            rows: (B,) indices of the active rows in the batch given to ``start``.
-            tokens: (B, T) decoder inputs so far: BOS then the accepted tokens.
-            n_out: (B,) number of accepted tokens per row.
-            max_len: (B,) the most draft tokens each row may use.
-        Returns:
-            (B, K) drafts padded with ``pad`` and (B,) their lengths.
-        """
+    def propose(self, state: DraftState, view: DraftView) -> List[List[int]]:
+        """Per active row of ``view`` its draft: at most its ``view.room`` tokens, in order."""
         raise NotImplementedError
 
-    def observe(self, state: DraftState, rows: Tensor, features: Tensor, last: Tensor,
-                tokens: Tensor = None):
-        """Called after each verification with the verifier's (B, d) features after each row's
-        last kept token, per row that token's block position (= draft tokens accepted), and
-        (B,) the verifier's token chosen from those features (the row's newest token). Most
-        drafters ignore the features and tokens."""
+    def observe(self, state: DraftState, outcome: DraftOutcome):
+        """After each verification of a proposal: what each row kept (``outcome``). Most
+        drafters learn from ``outcome.accepted`` alone."""
 
 
 class NoDrafter(Drafter):
-    """Drafts nothing: every iteration is one greedy step of the lean engine (``lean_greedy``)."""
+    """Drafts nothing: every iteration is one greedy step of the lean engine (``lean_greedy``).
+    Its schedule never drafts, so the engine never asks it."""
 
-    drafts_nothing = True
-    observes_features = False
     joins_rows = True
 
-    def propose(self, state, rows, tokens, n_out, max_len):
-        empty = tokens.new_zeros(rows.numel(), 0)
-        return empty, tokens.new_zeros(rows.numel())
+    def start(self, sample, encoder_out, bos: int, schedule=None) -> DraftState:
+        if schedule is not None:
+            schedule.never_drafts()
+        return DraftState()
+
+    def propose(self, state, view):
+        return [[] for _ in view.rows]

@@ -4,7 +4,8 @@ the next k tokens at once, re-reading the prefix (bidirectional) or from its own
 
 import torch
 
-from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter, DraftState
+from fairseq_pardec.decoding.draft_verify.drafters.base import Drafter, DraftState
+from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step_factory import block_decoder_for
 from fairseq_pardec.decoding.step.interface import DrafterStep
@@ -13,18 +14,21 @@ from fairseq_pardec.decoding.step.output_projection import draft_projection, pla
 from fairseq_pardec.errors import UsageError
 
 
+GAD = "gad"  # the kind of draft a GLAT drafter makes (schedule.py, auto.py)
+
+
 class NARState(DraftState):
     """One batch's values of a GAD drafter: its encoder output (all rows, and the active
-    rows'), the rows it last drafted for, and with the block-causal drafter its cache, each
-    row's cached length, its caps and the lengths last drafted."""
+    rows'), the rows it last drafted for (a list; on the device, ``rows_on_device``), and with
+    the block-causal drafter its cache, each row's cached length and the batch's schedule."""
 
     def __init__(self):
         super().__init__()
         self.encoder_out = self.active_encoder_out = None
-        self.rows = None
+        self.rows = self.rows_on_device = None
         self.cache = self.n_cached = None
-        self.caps = None
-        self.drafted = None
+        self.cached_host = None  # n_cached on the host, per active row
+        self.schedule = None
 
 
 class NARDrafter(Drafter):
@@ -35,9 +39,6 @@ class NARDrafter(Drafter):
     The bidirectional drafter re-reads the prefix every iteration (nothing can be cached); see
     :class:`CachedNARDrafter` for the block-causal one. A draft stops after its first EOS.
     """
-
-    on_device = True  # a drafter model: it drafts where the verifier runs
-
 
     def __init__(self, model, block_size: int, eos: int, pad: int, dictionary=None,
                  draft_vocab=None):
@@ -65,15 +66,22 @@ class NARDrafter(Drafter):
         state.active_encoder_out = state.encoder_out
         return state
 
-    def propose(self, state, rows, tokens, n_out, max_len):
-        if state.rows is None or not torch.equal(rows, state.rows):
+    def propose(self, state, view):
+        return self.draft(state, view, view.room)
+
+    def draft(self, state, view, caps):
+        """Per active row of ``view`` its draft of at most ``caps`` tokens (a list per row;
+        ``--generator auto`` gives its own caps, 0 for the rows that take another draft)."""
+        if state.rows != view.rows:  # (compared on the host: no read of the device)
             state.active_encoder_out = self.model.encoder.reorder_encoder_out(
-                state.encoder_out, rows)
-            state.rows = rows
-        inputs, slots = self.model.draft_inputs(tokens, n_out, self.k, state.longest)
+                state.encoder_out, view.rows_on_device())
+            state.rows = view.rows
+        inputs, slots = self.model.draft_inputs(view.tokens_on_device(), view.n_out_on_device(),
+                                                self.k, view.longest)
         logits = self._slot_logits(
             self.model.slot_features(inputs, slots, state.active_encoder_out))
-        return self._finish(state, logits, max_len)
+        draft, lengths = self._finish(state, logits, view.on_device(caps))
+        return view.read(draft, lengths)
 
     def _finish(self, state: NARState, logits, max_len):
         """(B, k, V) slot logits -> drafts cut after their first EOS and at ``max_len``."""
@@ -105,13 +113,12 @@ class CachedNARDrafter(NARDrafter):
     (tests/test_gad_cached.py).
     """
 
-    observes_features = False  # observe reads only how much of each draft was accepted
-
     def __init__(self, model, block_size: int, eos: int, pad: int, adaptive: bool = False,
                  dictionary=None, draft_vocab=None):
         super().__init__(model, block_size, eos, pad, dictionary, draft_vocab)
         # adaptive: a row drafts at most twice its recent mean of accepted draft tokens, plus
-        # one (as iad's copy drafter); slots no row drafts are not computed at all
+        # one (as iad's copy drafter; the batch's schedule keeps the means on the host); slots
+        # no row drafts are not computed at all
         self.adaptive = adaptive
         if not lean_supported(model.decoder):
             raise UsageError(
@@ -129,33 +136,50 @@ class CachedNARDrafter(NARDrafter):
         bsz = sample["net_input"]["src_tokens"].size(0)
         device = sample["net_input"]["src_tokens"].device
         state.cache = self.blocks.new_state()
-        state.rows = torch.arange(bsz, device=device)
+        state.rows = list(range(bsz))
+        state.rows_on_device = torch.arange(bsz, device=device)
         state.n_cached = torch.zeros(bsz, dtype=torch.long, device=device)  # BOS + tokens cached
-        state.caps = AdaptiveCaps(bsz, self.k, device)
+        state.cached_host = [0] * bsz
+        state.schedule = schedule if schedule is not None else DraftSchedule(bsz)
+        if self.adaptive and self.sampler is None:
+            state.schedule.plan_drafts([GAD], {}, None, None, adaptive=True)
         return state
 
     @staticmethod
-    def _follow(blocks, state: NARState, rows):
+    def _follow(blocks, state: NARState, view):
         """Drop the cache rows of sentences that left the batch (rows only ever shrink)."""
-        if rows.numel() == state.rows.numel():
+        if len(view.rows) == len(state.rows):
             return
-        keep = torch.searchsorted(state.rows, rows)
+        rows = view.rows_on_device()
+        keep = torch.searchsorted(state.rows_on_device, rows)
         blocks.reorder(state.cache, keep)
         state.n_cached = state.n_cached[keep]
-        state.rows = rows
+        place = {row: i for i, row in enumerate(state.rows)}
+        state.cached_host = [state.cached_host[place[row]] for row in view.rows]
+        state.rows, state.rows_on_device = view.rows, rows
 
-    def propose(self, state, rows, tokens, n_out, max_len):
-        self._follow(self.blocks, state, rows)
+    def propose(self, state, view):
+        caps = view.room
+        schedule = state.schedule
+        adaptive = self.adaptive and self.sampler is None
+        if adaptive:  # each row's cap from its recent acceptance
+            caps = [plan[0][2] if plan else 0
+                    for plan in schedule.plan(view.rows, view.room, may_rest=False)]
+        drafts = self.draft(state, view, caps)
+        if adaptive:
+            schedule.chose(view.rows, [GAD if d else None for d in drafts], drafts)
+        return drafts
+
+    def draft(self, state, view, caps):
+        self._follow(self.blocks, state, view)
+        tokens, n_out = view.tokens_on_device(), view.n_out_on_device()
         device = tokens.device
-        b = rows.numel()
-        # adaptive: only the slots some row will draft are fed (k = the widest row's cap); the
-        # drafter was trained with k slots, fewer mask slots are a shorter block of the same kind
-        cap, k = max_len, self.k
-        if self.adaptive and self.sampler is None:
-            cap = torch.minimum(state.caps.caps(rows), max_len)
-            k = max(1, min(self.k, int(cap.max())))
+        b = len(view.rows)
+        # only the slots some row will draft are fed (k = the widest row's cap); the drafter
+        # was trained with k slots, fewer mask slots are a shorter block of the same kind
+        k = max(1, min(self.k, max(caps, default=0)))
         new = n_out + 1 - state.n_cached  # >= 1: every iteration gains a token (BOS first)
-        width = int(new.max())
+        width = max(n + 1 - cached for n, cached in zip(view.n_out, state.cached_host))
         cols = torch.arange(width, device=device).unsqueeze(0)
         fresh = tokens.gather(1, (state.n_cached.unsqueeze(1) + cols).clamp(max=tokens.size(1) - 1))
         fresh_pad = cols >= new.unsqueeze(1)
@@ -176,12 +200,10 @@ class CachedNARDrafter(NARDrafter):
         self.blocks.drop_columns(state.cache, first, k)
         self.blocks.compact(state.cache)  # holes left by ragged new tokens
         state.n_cached = n_out + 1
-        draft, lengths = self._finish(state, logits, cap)
-        state.drafted = lengths
-        return draft, lengths
+        state.cached_host = [n + 1 for n in view.n_out]
+        draft, lengths = self._finish(state, logits, view.on_device(caps))
+        return view.read(draft, lengths)
 
-    def observe(self, state, rows, features, last, tokens=None):
-        if not self.adaptive or state.drafted is None:
-            return
-        state.caps.update(rows, state.drafted, last)
-        state.drafted = None
+    def observe(self, state, outcome):
+        if self.adaptive and self.sampler is None:
+            state.schedule.verified(outcome.rows, outcome.accepted)

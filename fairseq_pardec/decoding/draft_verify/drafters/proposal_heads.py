@@ -2,7 +2,8 @@
 
 import torch
 
-from fairseq_pardec.decoding.draft_verify.drafters.base import AdaptiveCaps, Drafter, DraftState
+from fairseq_pardec.decoding.draft_verify.drafters.base import Drafter, DraftState
+from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
 from fairseq_pardec.decoding.step.output_projection import (
     ShortlistProjection,
     base_projection,
@@ -11,15 +12,18 @@ from fairseq_pardec.decoding.step.output_projection import (
 from fairseq_pardec.errors import UsageError
 
 
+BLOCKWISE = "blockwise"  # the kind of draft the heads make (schedule.py, auto.py)
+
+
 class HeadsState(DraftState):
-    """One batch's values of the proposal heads: per row the next draft and its length (and
-    with --sampling the distributions drawn from), its caps, and the lengths last drafted."""
+    """One batch's values of the proposal heads: per row the next draft (on the device) and
+    its length (on the host), with --sampling the distributions drawn from, and the batch's
+    schedule."""
 
     def __init__(self):
         super().__init__()
         self.next_draft = self.next_len = self.next_probs = None
-        self.caps = None
-        self.drafted = None
+        self.schedule = None
 
 
 class HeadsDrafter(Drafter):
@@ -34,10 +38,6 @@ class HeadsDrafter(Drafter):
     short blocks; heads no row will use are not computed.
     """
 
-    on_device = True  # a drafter model: it drafts where the verifier runs
-    reads_tokens = False  # the heads draft from the verifier's features
-
-
     def __init__(self, decoder, pad: int, block_size: int, adaptive: bool = False,
                  dictionary=None, draft_vocab=None):
         self.decoder, self.pad = decoder, pad
@@ -48,39 +48,73 @@ class HeadsDrafter(Drafter):
 
     def start(self, sample, encoder_out, bos: int, schedule=None) -> HeadsState:
         src = sample["net_input"]["src_tokens"]
+        rows = src.size(0)
         state = HeadsState()
-        state.next_draft = src.new_full((src.size(0), max(self.width, 0)), self.pad)
-        state.next_len = src.new_zeros(src.size(0))
+        state.next_draft = src.new_full((rows, max(self.width, 0)), self.pad)
+        state.next_len = [0] * rows
         state.next_probs = None
-        state.caps = AdaptiveCaps(src.size(0), self.width, src.device)
+        state.schedule = schedule if schedule is not None else DraftSchedule(rows)
+        if self._adaptive():
+            # the heads propose from every verification: they are asked in every iteration
+            state.schedule.plan_drafts([BLOCKWISE], {}, None, None, adaptive=True,
+                                       sees_every_verification=True)
         return state
 
-    def propose(self, state, rows, tokens, n_out, max_len):
-        lengths = torch.minimum(state.next_len[rows], max_len)
-        # every head's column: the engine reads the lengths with the drafts and keeps each
-        # row's own, so the widest row's length need not be read from the device first (with
-        # --sampling the drafts' distributions are cut to it, as the block is)
-        width = state.next_draft.size(1)
-        if self.sampler is not None:
-            width = int(lengths.max()) if lengths.numel() else 0
-        draft = state.next_draft[rows, :width]
-        cols = torch.arange(width, device=draft.device)
-        draft = draft.masked_fill(cols.unsqueeze(0) >= lengths.unsqueeze(1), self.pad)
-        if self.sampler is not None:
-            if state.next_probs is None:  # nothing proposed yet: an empty draft
-                state.draft_probs = None
-            else:
-                state.draft_probs = state.next_probs[rows, :width]
-        state.drafted = lengths
-        return draft, lengths
+    def _adaptive(self) -> bool:
+        return self.adaptive and self.sampler is None
 
-    def _width(self, state: HeadsState, rows):
-        """How many heads to run (n) and each row's cap (None: not adaptive)."""
-        n, caps = self.width, None
-        if self.adaptive and self.sampler is None:
-            caps = state.caps.caps(rows)
-            n = max(1, min(self.width, int(caps.max())))
-        return n, caps
+    def propose(self, state, view):
+        drafts = self.draft(state, view, view.room)
+        if self._adaptive():
+            state.schedule.chose(view.rows, [BLOCKWISE if d else None for d in drafts], drafts)
+        return drafts
+
+    def draft(self, state, view, caps):
+        """Per active row of ``view`` the heads' proposal, at most ``caps`` tokens (a list per
+        row; ``--generator auto`` gives its own caps, 0 for the rows that take another draft)."""
+        lengths = [min(state.next_len[row], cap) for row, cap in zip(view.rows, caps)]
+        width = max(lengths, default=0)
+        state.draft_probs = None
+        if width == 0:  # nothing proposed yet (the first iteration), or no room
+            return [[] for _ in lengths]
+        rows = view.rows_on_device()
+        if self.sampler is not None and state.next_probs is not None:
+            state.draft_probs = state.next_probs[rows, :width]  # what the drafts were drawn from
+        return view.read(state.next_draft[rows, :width], lengths)
+
+    def observe(self, state, outcome):
+        if self.width <= 0:
+            return
+        caps = None
+        if self._adaptive():
+            schedule = state.schedule
+            schedule.verified(outcome.rows, outcome.accepted)
+            caps = [plan[0][2] if plan else 0
+                    for plan in schedule.plan(outcome.rows, [self.width] * len(outcome.rows),
+                                              may_rest=False)]
+        tokens = outcome.newest() if self.decoder.proposals_read_tokens else None
+        self.propose_next(state, outcome, outcome.features(), tokens, caps)
+
+    def propose_next(self, state: HeadsState, outcome, features, tokens, caps=None,
+                     at=None):
+        """The heads' next drafts of the rows of ``outcome`` (those at ``at``, their places in
+        it, where given) from the verifier's ``features`` after each row's last kept token and
+        that token (``tokens``, read by recurrent heads), at most ``caps`` tokens each (None:
+        every head); heads no row uses are not computed."""
+        rows = outcome.rows if at is None else [outcome.rows[i] for i in at]
+        n = self.width if caps is None else max(1, min(self.width, max(caps, default=0)))
+        if self.decoder.proposals_read_tokens:
+            drafted, probs = self._recurrent(features, tokens, n)
+        else:
+            drafted, probs = self._choose(self._project(self.decoder.proposal_features(features, n)))
+        on_device = outcome.on_device(rows) if at is not None else outcome.rows_on_device()
+        state.next_draft[on_device, :n] = drafted
+        if probs is not None:  # speculative sampling: keep the distributions drawn from
+            if state.next_probs is None:
+                state.next_probs = probs.new_zeros((state.next_draft.size(0),) + probs.shape[1:])
+            state.next_probs[on_device] = probs
+        for i, row in enumerate(rows):
+            state.next_len[row] = n if caps is None else min(caps[i], n)
 
     def _project(self, hidden):
         """(..., d) head outputs -> (..., V) logits, padding never proposed."""
@@ -116,26 +150,3 @@ class HeadsDrafter(Drafter):
             chosen.append(token)
             dists.append(probs)
         return torch.stack(chosen, 1), None if self.sampler is None else torch.stack(dists, 1)
-
-    def observe(self, state, rows, features, last, tokens=None, caps=None):
-        """``caps``: (B,) the most proposals each of ``rows`` may draft next, decided by the
-        caller (``--generator auto``'s prices); heads no row uses are not computed."""
-        if self.width <= 0:
-            return
-        if self.adaptive and state.drafted is not None:
-            state.caps.update(rows, state.drafted, last)
-        state.drafted = None
-        if caps is None:
-            n, caps = self._width(state, rows)
-        else:
-            n = max(1, min(self.width, int(caps.max())))
-        if self.decoder.proposals_read_tokens:
-            drafted, probs = self._recurrent(features, tokens, n)
-        else:
-            drafted, probs = self._choose(self._project(self.decoder.proposal_features(features, n)))
-        state.next_draft[rows, :n] = drafted
-        if probs is not None:  # speculative sampling: keep the distributions drawn from
-            if state.next_probs is None:
-                state.next_probs = probs.new_zeros((state.next_draft.size(0),) + probs.shape[1:])
-            state.next_probs[rows] = probs
-        state.next_len[rows] = n if caps is None else caps.clamp(max=n)

@@ -6,10 +6,11 @@ caps (AdaptiveCaps), the prices a draft must pay (pricing.py) and the clock that
 the probes of rows that draft nothing (ProbeSchedule), the quiet spells in which no row will
 draft (QuietSpell), and the per-row back-off of rejected drafts (backoff.py). The engine makes
 one per batch and asks it before every iteration (``drafts_now``, ``room``) and tells it each
-verification's outcome (``backed_off``); the drafters on the host have it plan their rows'
-drafts (``plan``) and tell it what each row kept (``verified``). The drafter models (gad's,
-blockwise's heads) keep their caps on the device with their drafts, so that no iteration reads
-them: their schedule is the back-off alone.
+verification's outcome (``backed_off``); the drafters have it plan their rows' drafts
+(``plan``) and tell it what each row kept (``verified``), the drafter models (gad's, blockwise's
+heads) as the drafters on the host: the host knows what each row kept, so their caps need no
+read of the device either. A drafter that never drafts says so (``never_drafts``): the engine
+then never asks it.
 """
 
 import math
@@ -58,31 +59,44 @@ class DraftSchedule:
         self.skips_while_waiting = False
         self.stats = None  # the generator's DecodeStats (auto's drafters' shares)
         self.chosen: List[Optional[tuple]] = []  # per batch row: (kind, length) last drafted
+        self.silent = False  # the drafter never drafts (never_drafts)
 
     def plan_drafts(self, kinds: List[str], histories: Dict[str, AcceptanceHistory],
                     probe_history: Optional[AcceptanceHistory], prices: Optional[IterationPrices],
-                    adaptive: bool, probed_kinds: Optional[List[str]] = None, stats=None):
-        """The drafter on the host that this schedule plans for: its ``kinds``, each row's
-        estimate of each starting from that kind's ``histories`` (across batches), the probes'
-        waits from ``probe_history``."""
+                    adaptive: bool, probed_kinds: Optional[List[str]] = None, stats=None,
+                    sees_every_verification: bool = False):
+        """The drafter that this schedule plans for: its ``kinds``, each row's estimate of each
+        starting from that kind's ``histories`` (across batches), the probes' waits from
+        ``probe_history``. ``sees_every_verification``: the drafter must be asked in every
+        iteration (blockwise decoding's heads propose from each verification), never left
+        unasked while its rows wait in the back-off."""
         self.kinds = list(kinds)
         self.probed_kinds = list(kinds if probed_kinds is None else probed_kinds)
         self.adaptive = adaptive
-        self.caps = {kind: AdaptiveCaps(self.rows, float("inf"), "cpu", histories.get(kind))
+        self.caps = {kind: AdaptiveCaps(self.rows, float("inf"), histories.get(kind))
                      for kind in kinds}
         self.probes = ProbeSchedule(self.rows, probe_history)
         self.prices = prices if adaptive else None
         if self.prices is not None and self.prices.measured:
             self.clock = IterationClock(self.prices)
-        self.skips_while_waiting = True
+        self.skips_while_waiting = not sees_every_verification
         self.stats = stats
         self.chosen = [None] * self.rows
 
+    def never_drafts(self):
+        """The drafter drafts nothing, ever (``lean_greedy``): it is never asked, and nothing
+        is withheld from it."""
+        self.silent = True
+        self.backoff = None
+
     # ------------------------------------------------------------------ before an iteration
     def drafts_now(self, active_rows: int, iteration: int) -> bool:
-        """False where surely no row drafts in this iteration: a quiet spell, or (for a drafter
-        that may be left unasked) every row waiting in the back-off. The engine then takes a
-        plain step without asking the drafter: it costs what a greedy step costs."""
+        """False where surely no row drafts in this iteration: a drafter that never drafts, a
+        quiet spell, or (for a drafter that may be left unasked) every row waiting in the
+        back-off. The engine then takes a plain step without asking the drafter: it costs what
+        a greedy step costs."""
+        if self.silent:
+            return False
         spell = self.quiet
         if spell is not None:
             if spell.step(active_rows):  # rows that finish change the prices: the spell ends
@@ -171,10 +185,8 @@ class DraftSchedule:
     def _capped(self, row_ids, limits, kinds) -> List[List[tuple]]:
         if self.adaptive:
             caps = self.caps
-            return [[(0.0, kind, min(limit, int(min(2 * caps[kind].mean[row],
-                                                   AdaptiveCaps.CEILING)) + 1))
-                     for kind in kinds] if limit > 0 else []
-                    for row, limit in zip(row_ids, limits)]
+            return [[(0.0, kind, caps[kind].cap(row, limit)) for kind in kinds]
+                    if limit > 0 else [] for row, limit in zip(row_ids, limits)]
         return [[(0.0, kind, limit) for kind in kinds] if limit > 0 else [] for limit in limits]
 
     def options(self, row: int, limit: int, value: float, position: float, drafting_row: float,
@@ -186,7 +198,7 @@ class DraftSchedule:
             rate = caps.acceptance_rate(row)
             if rate * value <= position:  # not even a first token pays (most rows, at batch 32)
                 continue
-            cap = min(limit, int(min(2 * caps.mean[row], caps.CEILING)) + 1)
+            cap = caps.cap(row, limit)
             length = paying_length(rate, value, position, drafting_row, cap)
             if length > 0:
                 options.append((draft_gain(rate, value, position, length) - drafting_row,
@@ -261,7 +273,7 @@ class DraftSchedule:
                 stats.drafter_accepted[kind] = (stats.drafter_accepted.get(kind, 0)
                                                 + min(accepted, length))
         for kind, (kind_rows, lengths, accepted) in by_kind.items():
-            self.caps[kind].host_update(kind_rows, lengths, accepted)
+            self.caps[kind].update(kind_rows, lengths, accepted)
 
     def backed_off(self, drafted: List[int], accepted, iteration: int):
         """The back-off's view of ``iteration``: per active row the draft tokens verified and
@@ -280,8 +292,7 @@ class DraftSchedule:
         if self.backoff is not None:
             self.backoff.extend(other.backoff)
         for kind, caps in self.caps.items():
-            if caps.on_host:
-                place_rows(caps, other.caps[kind], AdaptiveCaps.ROW_FIELDS, ids)
+            place_rows(caps, other.caps[kind], AdaptiveCaps.ROW_FIELDS, ids)
         if self.probes is not None:
             place_rows(self.probes, other.probes, ProbeSchedule.ROW_FIELDS, ids)
         if self.chosen:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from fairseq_pardec.decoding.draft_verify.drafters.base import (AcceptanceHistory, DraftState,
-                                                                Drafter, pad_drafts)
+                                                                Drafter)
 from fairseq_pardec.decoding.draft_verify.drafters.schedule import DraftSchedule
 from fairseq_pardec.decoding.cuda.static import draft_cap_for_bucket
 from fairseq_pardec.decoding.draft_verify.drafters.pricing import (CPU_PRICES, FixedPrices,
@@ -130,7 +130,6 @@ class CopyDrafter(Drafter):
     GPU_POSITIONS = 2048
     GPU_MIN_CEILING = 16
 
-    observes_features = False  # observe reads only how much of each draft was accepted
     # whether the schedule may rest (quiet spells: the drafter is not asked while no row would
     # draft); False for a drafter model that drafts from every verification
     rests = True
@@ -258,7 +257,8 @@ class CopyDrafter(Drafter):
             self._read_new_tokens(state, [row_ids[i] for i in drafting], tokens[drafting],
                                   [lengths[i] for i in drafting])
 
-    def propose_lists(self, state, rows, tokens, n_out, room):
+    def propose(self, state, view):
+        rows, tokens, n_out, room = view.rows, view.tokens, view.n_out, view.room
         schedule = state.schedule
         began = schedule.start_clock()
         ceiling = self._ceiling(state, len(rows))
@@ -275,11 +275,6 @@ class CopyDrafter(Drafter):
         schedule.tick(began, len(rows), drafts)
         state.drafted_rows = rows  # observe's rows are these (tests pass none)
         return drafts
-
-    def propose(self, state, rows, tokens, n_out, max_len):
-        drafts = self.propose_lists(state, rows.tolist(), tokens, n_out.tolist(),
-                                    max_len.tolist())
-        return pad_drafts(drafts, self.pad, tokens.device)
 
     def _first_drafts(self, state: CopyState, row_ids: List[int], lengths: List[int],
                       plans: List[List[tuple]], made: Optional[dict] = None):
@@ -319,8 +314,5 @@ class CopyDrafter(Drafter):
             state.schedule.verified(state.drafted_rows, kept)
         state.drafted_rows = None
 
-    def observe_kept(self, state, rows, kept):
-        self._learn(state, kept)
-
-    def observe(self, state, rows, features, last, tokens=None):
-        self._learn(state, last.tolist())
+    def observe(self, state, outcome):
+        self._learn(state, outcome.accepted)
