@@ -6,12 +6,13 @@ with the verdict the device computed for it where the rule reads log-probabiliti
 (``device_verdicts``, from :meth:`token_ok`); the run of accepted tokens from the left is kept,
 or ``least_accepted`` tokens where that is more (--min-block-size). The verifier's own token
 follows at the first rejected position, so every iteration gains at least one token.
-:meth:`accept` states the same rule over whole tensors.
+:meth:`accept` asks the same parts for whole tensors (tests, tools).
 
 ``ExactAcceptance`` accepts a draft token only when it *is* the verifier's greedy choice: the
 output is then identical to greedy decoding (lossless). Relaxed rules (GAD++'s top-beta within
-tau, blockwise decoding's top-k / distance / minimum block) implement :meth:`token_ok` or
-override :meth:`accept` and declare ``lossless = False``.
+tau, blockwise decoding's top-k / distance / minimum block) implement :meth:`token_ok` (on the
+device, for a rule that reads log-probabilities) or :meth:`host_ok`, and declare
+``lossless = False``.
 """
 
 import torch
@@ -26,35 +27,43 @@ class AcceptanceRule:
     reads_log_probs = True
 
     def token_ok(self, draft: Tensor, scores: "DraftScores", verifier_tokens: Tensor) -> Tensor:
-        """(B, K) bool: may each draft token stand in for the verifier's choice?"""
+        """(B, K) bool, on the device: may each draft token stand in for the verifier's choice
+        (a rule that reads log-probabilities)?"""
         raise NotImplementedError
 
     def accept(
         self, draft: Tensor, draft_valid: Tensor, lprobs: Tensor, verifier_tokens: Tensor,
         positions: Tensor = None,
     ) -> Tensor:
-        """Number of leading draft tokens accepted per row.
+        """Number of leading draft tokens accepted per row, from the parts the engine's walk
+        asks (decisions.walk_row): ``device_verdicts``, ``host_ok`` and ``least_accepted``.
 
         Args:
             draft: (B, K) draft tokens, padded.
-            draft_valid: (B, K) True for real draft tokens.
+            draft_valid: (B, K) True for real draft tokens (a prefix of each row).
             lprobs: the verifier's log-probabilities: (B, K, V) at the K draft positions, or
-                the engine's packed (N, V) rows with ``positions`` (B, K) naming each draft
-                position's row (no (B, K, V) copy is made); None for a rule whose
-                ``reads_log_probs`` is False.
+                packed (N, V) rows with ``positions`` (B, K) naming each draft position's row;
+                None for a rule whose ``reads_log_probs`` is False.
             verifier_tokens: (B, K) the verifier's own choice at those positions.
         """
-        if draft.size(1) == 0:
-            return draft.new_zeros(draft.size(0))
-        scores = DraftScores(lprobs, positions, draft) if lprobs is not None else None
-        ok = self.token_ok(draft, scores, verifier_tokens) & draft_valid
-        # Length of the run of True from the left.
-        return ok.long().cumprod(dim=1).sum(dim=1)
-
-    # The engine's decisions (decisions.py) walk each row's draft on the host: a draft token
-    # equal to the verifier's is kept by every rule; one that differs asks ``host_ok``, with
-    # the verdict the device computed for it (``device_verdicts``) where the rule reads
-    # log-probabilities.
+        rows, width = draft.shape
+        verdicts = None
+        if lprobs is not None and self.reads_log_probs and width:
+            if positions is None:
+                positions = torch.arange(rows * width).view(rows, width)
+                lprobs = lprobs[:, :width].reshape(rows * width, -1)
+            verdicts = self.device_verdicts(draft, lprobs, positions).float().tolist()
+        accepted = []
+        for r, (tokens, valid, chosen) in enumerate(zip(draft.tolist(), draft_valid.tolist(),
+                                                        verifier_tokens.tolist())):
+            length, run = sum(valid), 0
+            for j in range(length):
+                verdict = verdicts[r][j] if verdicts is not None else 0.0
+                if tokens[j] != chosen[j] and not self.host_ok(tokens[j], chosen[j], verdict):
+                    break
+                run += 1
+            accepted.append(max(run, self.least_accepted(length)))
+        return torch.tensor(accepted, dtype=torch.long)
 
     def device_verdicts(self, draft: Tensor, lprobs: Tensor, positions: Tensor):
         """(B, K) bool, on the device, for a rule that reads log-probabilities (``token_ok``
@@ -97,9 +106,6 @@ class ExactAcceptance(AcceptanceRule):
     lossless = True
     reads_log_probs = False
 
-    def token_ok(self, draft, scores, verifier_tokens):
-        return draft.eq(verifier_tokens)
-
 
 class TopKAcceptance(AcceptanceRule):
     """Blockwise decoding § 5.1: accept a draft token within the verifier's top-k."""
@@ -112,8 +118,6 @@ class TopKAcceptance(AcceptanceRule):
         self.reads_log_probs = k != 1
 
     def token_ok(self, draft, scores, verifier_tokens):
-        if self.k == 1:
-            return draft.eq(verifier_tokens)
         # fewer than k tokens score strictly higher <=> the k-th best is not above the draft's
         draft_lp = scores.draft
         return (draft_lp >= scores.top(self.k)[..., -1]) & torch.isfinite(draft_lp)
@@ -145,18 +149,9 @@ class DistanceAcceptance(AcceptanceRule):
     def __init__(self, dictionary, eps: float):
         if eps < 0:
             raise UsageError("--blockwise-distance must be >= 0 (got %g)" % eps)
-        self.values = ordinal_values(dictionary)
-        self.host_values = self.values.tolist()  # the host's decisions read these
+        self.host_values = ordinal_values(dictionary).tolist()  # the host's decisions read these
         self.eps = eps
         self.reads_log_probs = False
-
-    def token_ok(self, draft, scores, verifier_tokens):
-        if self.values.device != draft.device:  # moved once, not every iteration
-            self.values = self.values.to(draft.device)
-        values = self.values
-        distance = (values[draft] - values[verifier_tokens]).abs()
-        exact = draft.eq(verifier_tokens)
-        return exact | (distance <= self.eps)  # NaN distances (specials) compare False
 
     def host_ok(self, draft_token, verifier_token, verdict):
         values = self.host_values
@@ -175,11 +170,6 @@ class MinimumBlock(AcceptanceRule):
         self.rule, self.min_block = rule, min_block
         self.lossless = rule.lossless and min_block == 1
         self.reads_log_probs = rule.reads_log_probs
-
-    def accept(self, draft, draft_valid, lprobs, verifier_tokens, positions=None):
-        accepted = self.rule.accept(draft, draft_valid, lprobs, verifier_tokens, positions)
-        floor = torch.clamp(draft_valid.long().sum(dim=1), max=self.min_block - 1)
-        return torch.maximum(accepted, floor)
 
     def device_verdicts(self, draft, lprobs, positions):
         return self.rule.device_verdicts(draft, lprobs, positions)
@@ -208,8 +198,6 @@ class TopBetaTauAcceptance(AcceptanceRule):
         self.reads_log_probs = not self.lossless
 
     def token_ok(self, draft, scores, verifier_tokens):
-        if self.lossless:
-            return draft.eq(verifier_tokens)
         draft_lp = scores.draft
         top = scores.top(self.beta)
         within_beta = draft_lp >= top[..., -1]  # Eq. 6
