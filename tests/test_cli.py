@@ -194,6 +194,15 @@ def test_benchmark_harness(cli_data, stock_checkpoint, tmp_path):
     assert greedy4["decoder_calls"] < greedy1["decoder_calls"]
 
 
+def test_speed_ratios_are_paired_by_round():
+    """A round in which the machine slowed both generators fourfold leaves their ratio alone:
+    the median of the per-round ratios, with their range."""
+    from fairseq_pardec.benchmark.runner import paired_ratio
+
+    assert paired_ratio([2.0, 8.0, 3.0], [1.0, 4.0, 3.0]) == (2.0, 1.0, 2.0)
+    assert paired_ratio([1.0], [0.0]) == (None, None, None)
+
+
 def test_benchmark_true_batch_sizes(cli_data, stock_checkpoint):
     """A subset of 20 of the 37 test sentences at batch 8: batches of 8, 8, 4, each the shortest
     sentences first, exactly as fairseq orders the subset by length."""

@@ -35,7 +35,9 @@ COLUMNS = [
 def markdown(meta, rows):
     lines = [
         "Machine: %s. Commit %s, %s, torch %s, %s. %d sentences of `%s`, median of %d "
-        "alternating runs after warm-up. *batch*: the batch size asked for; *mean batch*: the "
+        "alternating runs after warm-up (each round starting one generator later). *x greedy*, "
+        "*x beam*, *x ct2* and *x best single*: the median over rounds of the speed ratio "
+        "within each round, with its range. *batch*: the batch size asked for; *mean batch*: the "
         "batch size decoded; *iter cost*: wall time of one iteration (decoder call) in greedy "
         "steps of the same batch (at batch 1 the tokens/iter needed to break even); *drafter*: "
         "share of the decoding time spent drafting, *verifier*: in the verifier's decoder calls, "
@@ -46,8 +48,7 @@ def markdown(meta, rows):
         "teacher-forced pass over the prefix decided; *margins in force*: the guard's margin "
         "on the step and on that pass (*replay*: none), each the larger of its floor and %d "
         "times the spread measured on the model before its first batch; *x best single*: "
-        "speed over the fastest of "
-        "lean_greedy, iad and lookup in the run; *drafts* (auto): each drafter's share of the "
+        "speed over the fastest (by median) of lean_greedy, iad and lookup in the run; *drafts* (auto): each drafter's share of the "
         "row-iterations, with its accepted draft tokens per drafting iteration; *= source*: "
         "share of outputs identical to their source (shared vocabularies only); *1st diff at*: "
         "mean token index of the first difference from "
@@ -67,6 +68,9 @@ def markdown(meta, rows):
             elif key in ("identical_to_greedy", "identical_to_source", "drafter_share",
                          "verifier_share", "encoder_share", "guard_share", "engine_share"):
                 cells.append(fmt % (100 * value))
+            elif row.get(key + "_range") and row[key + "_range"][0] != row[key + "_range"][1]:
+                low, high = row[key + "_range"]
+                cells.append((fmt + " (" + fmt + "-" + fmt + ")") % (value, low, high))
             else:
                 cells.append(fmt % value)
         lines.append("| " + " | ".join(cells) + " |")

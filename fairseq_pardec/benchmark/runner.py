@@ -1,9 +1,12 @@
 """Side-by-side decoding benchmark: ``python -m fairseq_pardec.benchmark DATA --path CKPT ...``.
 
 One process, one loaded model, the same sentences for every generator. Protocol: a warm-up pass
-per generator, then ``--repeats`` rounds in which the generators run one after another (A B C, A B
-C, ...), at every batch size; a generator's time is the median over rounds of its total decode
-time (``generate`` calls only: batching and detokenisation excluded); ``torch`` threads fixed.
+per generator, then ``--repeats`` rounds in which the generators run one after another, each
+round starting one generator later (A B C, B C A, C A B, ...), at every batch size; a
+generator's time is the median over rounds of its total decode time (``generate`` calls only:
+batching and detokenisation excluded); ``torch`` threads fixed. A speed ratio between two
+generators is the median over rounds of the ratio within each round (paired: what the machine
+does to both in one round cancels), with its range over the rounds.
 
 Reports BLEU and chrF (sacrebleu, on text after removing BPE), latency, sentences/s, speedup vs
 greedy and vs beam at the same batch size, mean accepted tokens per iteration, iterations per
@@ -328,8 +331,11 @@ def run(args):
         total = len(generators) * args.repeats * n_sentences
         with tqdm(total=total, desc="batch %d" % batch_size, unit="sent", file=sys.stderr,
                   disable=args.no_progress) as progress:
-            for _ in range(args.repeats):
-                for label, generator in generators.items():  # alternating: A B C A B C ...
+            order = list(generators.items())
+            for round_ in range(args.repeats):
+                # alternating, each round starting one later: no generator always runs first
+                turn = round_ % len(order)
+                for label, generator in order[turn:] + order[:turn]:
                     out, st = decode(task, models[paths[label]], generator, samples, progress)
                     times[label].append(st["wall_time"])
                     outputs[label], stats[label] = out, st
@@ -380,20 +386,21 @@ def run(args):
                 row["first_divergence"] = first
             rows.append(row)
         by_label = {r["generator"]: r for r in rows if r["batch_size"] == batch_size}
+        # the fastest (by median) of the single generators auto chooses among, on the --path
+        # model
+        singles = [s[0] for s in specs if s[1] in SINGLE_GENERATORS and "path" not in s[2]
+                   and by_label[s[0]]["sentences_per_s"]]
+        best_single = min(singles, key=lambda label: by_label[label]["wall_time_s"], default=None)
         for row in by_label.values():
             for ref_label, key in ((greedy_label, "speedup_vs_greedy"), (beam_label, "speedup_vs_beam"),
-                                   (ct2_label, "speedup_vs_ct2")):
-                if ref_label is not None:
-                    row[key] = by_label[ref_label]["wall_time_s"] / row["wall_time_s"]
+                                   (ct2_label, "speedup_vs_ct2"),
+                                   (best_single, "speedup_vs_best_single")):
+                if ref_label is not None and row["wall_time_s"] > 0:
+                    ratio, low, high = paired_ratio(by_label[ref_label]["wall_times_s"],
+                                                    row["wall_times_s"])
+                    row[key], row[key + "_range"] = ratio, [low, high]
             if greedy_label is not None:
                 row["iteration_cost"] = iteration_cost(row, by_label[greedy_label])
-        # the fastest of the single generators auto chooses among, on the --path model
-        singles = [by_label[s[0]]["sentences_per_s"] for s in specs
-                   if s[1] in SINGLE_GENERATORS and "path" not in s[2]
-                   and by_label[s[0]]["sentences_per_s"]]
-        for row in by_label.values():
-            if singles and row["sentences_per_s"]:
-                row["speedup_vs_best_single"] = row["sentences_per_s"] / max(singles)
         if args.step_table and table_steps_decoder(model):
             steps.append(step_row(model, samples[0], by_label.get(ct2_label), args))
 
@@ -412,6 +419,16 @@ def run(args):
         "steps": steps,
     }
     return meta, rows
+
+
+def paired_ratio(reference_times, times):
+    """How many times faster than the reference a generator ran: the median over rounds of
+    the ratio of the two times within each round, and the least and the most of those ratios.
+    Paired by round, so that a round in which the machine slowed both counts once."""
+    ratios = [ref / own for ref, own in zip(reference_times, times) if own > 0]
+    if not ratios:
+        return None, None, None
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def table_steps_decoder(model) -> bool:
