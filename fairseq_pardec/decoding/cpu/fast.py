@@ -531,10 +531,6 @@ class FastBlockDecoder(LeanBlockDecoder):
         bsz, heads, length, head_dim = out.shape
         return layout.pack_time_major(out.permute(2, 0, 1, 3).reshape(length, bsz, heads * head_dim))
 
-    def forward_block(self, tokens, start, block_pad, encoder_out, cache: FastCache):
-        layout = BlockLayout(block_pad)
-        return layout.unpack(self.forward_packed(tokens, start, layout, encoder_out, cache))
-
     # ------------------------------------------------------------------ cache surgery
     def reads_encoder_out(self, cache: FastCache) -> bool:
         # the encoder's keys and values are projected into the cache when the batch starts
@@ -542,14 +538,6 @@ class FastBlockDecoder(LeanBlockDecoder):
 
     def cache_length(self, cache: FastCache) -> int:
         return cache.length
-
-    def valid_mask(self, cache: FastCache) -> Optional[Tensor]:
-        if not cache.keys:
-            return None
-        if cache.masked is None:
-            return torch.ones(cache.batch, cache.length, dtype=torch.bool,
-                              device=cache.keys[0].device)
-        return ~cache.masked[:, : cache.length]
 
     @staticmethod
     def _holes(cache: FastCache, end: int) -> List[int]:

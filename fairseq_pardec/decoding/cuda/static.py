@@ -647,10 +647,6 @@ class StaticBlockDecoder(LeanBlockDecoder):
         top = lprobs.topk(2, dim=-1)
         return features, lprobs, top.values, top.indices[:, 0]
 
-    def forward_block(self, tokens, start, block_pad, encoder_out, cache: StaticCache):
-        layout = BlockLayout(block_pad)
-        return layout.unpack(self.forward_packed(tokens, start, layout, encoder_out, cache))
-
     # ------------------------------------------------------------------ scores
     def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
         """The log-probabilities of ``features``: those computed inside the call that returned

@@ -342,7 +342,8 @@ class LeanBlockDecoder(BlockDecoder):
             return None
         if cache.masked is None:
             return torch.ones(cache.batch, cache.length, dtype=torch.bool, device=cache.keys[0].device)
-        return ~cache.masked
+        # (the fast step's mask has room past the entries in use)
+        return ~cache.masked[:, : cache.length]
 
     def rollback(self, cache: LeanCache, block_len: int, keep: Tensor,
                  keep_range: Optional[Tuple[int, int]] = None):

@@ -40,7 +40,6 @@ class AutoState(LookupState):
     def __init__(self):
         super().__init__()
         self.model = None  # the drafter model's DraftState
-        self.model_device = None
 
 
 class AutoDrafter(LookupDrafter):
@@ -83,7 +82,6 @@ class AutoDrafter(LookupDrafter):
     def start(self, sample, encoder_out, bos: int, schedule=None) -> AutoState:
         state = super().start(sample, encoder_out, bos, schedule)
         if self.model is not None:
-            state.model_device = sample["net_input"]["src_tokens"].device
             state.model = self.model.start(sample, encoder_out, bos)
         return state
 

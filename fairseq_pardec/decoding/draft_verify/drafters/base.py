@@ -60,7 +60,30 @@ def _plain_read(tensor: Tensor) -> Tensor:
     return tensor.cpu()
 
 
-class DraftView:
+class _ActiveRows:
+    """The active rows' ids on the host (``rows``), and the engine's way to the model's device
+    for what a drafter asks of them there."""
+
+    __slots__ = ("rows", "device", "_copy", "_rows_on_device")
+
+    def __init__(self, rows: List[int], device=None, copy=None,
+                 rows_on_device: Optional[Tensor] = None):
+        self.rows = rows
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._copy = copy if copy is not None else _host_to(self.device)
+        self._rows_on_device = rows_on_device
+
+    def on_device(self, values: List[int]) -> Tensor:
+        """(B,) int64 on the model's device, from a list of the host's."""
+        return self._copy(torch.tensor(values, dtype=torch.long))
+
+    def rows_on_device(self) -> Tensor:
+        if self._rows_on_device is None:
+            self._rows_on_device = self.on_device(self.rows)
+        return self._rows_on_device
+
+
+class DraftView(_ActiveRows):
     """One iteration's active rows as a drafter reads them (``Drafter.propose``).
 
     On the host: ``rows`` (their ids), ``n_out`` (tokens each has accepted), ``room`` (the most
@@ -71,29 +94,19 @@ class DraftView:
     drafts made there. The engine gives its own copies and its read (which it counts); the
     defaults copy and read plainly (tests, examples)."""
 
-    __slots__ = ("rows", "n_out", "room", "tokens", "longest", "device", "_copy", "_read",
-                 "_rows_on_device", "_n_out_on_device", "_tokens_on_device")
+    __slots__ = ("n_out", "room", "tokens", "longest", "_read", "_n_out_on_device",
+                 "_tokens_on_device")
 
     def __init__(self, rows: List[int], n_out: List[int], room: List[int], tokens: Tensor,
                  device=None, longest: Optional[int] = None, copy=None, read=None,
                  rows_on_device: Optional[Tensor] = None,
                  n_out_on_device: Optional[Tensor] = None):
-        self.rows, self.n_out, self.room, self.tokens = rows, n_out, room, tokens
+        super().__init__(rows, device, copy, rows_on_device)
+        self.n_out, self.room, self.tokens = n_out, room, tokens
         self.longest = max(n_out, default=0) if longest is None else longest
-        self.device = torch.device("cpu") if device is None else torch.device(device)
-        self._copy = copy if copy is not None else _host_to(self.device)
         self._read = read if read is not None else _plain_read
-        self._rows_on_device, self._n_out_on_device = rows_on_device, n_out_on_device
+        self._n_out_on_device = n_out_on_device
         self._tokens_on_device = None
-
-    def on_device(self, values: List[int]) -> Tensor:
-        """(B,) int64 on the model's device, from a list of the host's."""
-        return self._copy(torch.tensor(values, dtype=torch.long))
-
-    def rows_on_device(self) -> Tensor:
-        if self._rows_on_device is None:
-            self._rows_on_device = self.on_device(self.rows)
-        return self._rows_on_device
 
     def n_out_on_device(self) -> Tensor:
         if self._n_out_on_device is None:
@@ -115,25 +128,22 @@ class DraftView:
         return [row[1: 1 + row[0]] for row in host]
 
 
-class DraftOutcome:
+class DraftOutcome(_ActiveRows):
     """What the verification of one iteration's drafts gave (``Drafter.observe``): per active
     row (``rows``, their ids) the draft tokens it kept (``accepted``) and, on the model's
     device and gathered when first asked for, the verifier's features after its last kept
     token (``features``, (B, d)) and that token (``newest``, (B,)): blockwise decoding's heads
     propose from them (merged invocation)."""
 
-    __slots__ = ("rows", "accepted", "device", "_copy", "_features", "_newest", "_gathered",
-                 "_rows_on_device")
+    __slots__ = ("accepted", "_features", "_newest", "_gathered")
 
     def __init__(self, rows: List[int], accepted: List[int], device=None, features=None,
                  newest=None, copy=None, rows_on_device: Optional[Tensor] = None):
-        self.rows, self.accepted = rows, accepted
-        self.device = torch.device("cpu") if device is None else torch.device(device)
-        self._copy = copy if copy is not None else _host_to(self.device)
+        super().__init__(rows, device, copy, rows_on_device)
+        self.accepted = accepted
         # tensors, or callables that gather them (the engine's: nothing is gathered unasked)
         self._features, self._newest = features, newest
         self._gathered = {}
-        self._rows_on_device = rows_on_device
 
     def _get(self, name: str, made):
         if name not in self._gathered:
@@ -145,14 +155,6 @@ class DraftOutcome:
 
     def newest(self) -> Optional[Tensor]:
         return self._get("newest", self._newest)
-
-    def on_device(self, values: List[int]) -> Tensor:
-        return self._copy(torch.tensor(values, dtype=torch.long))
-
-    def rows_on_device(self) -> Tensor:
-        if self._rows_on_device is None:
-            self._rows_on_device = self.on_device(self.rows)
-        return self._rows_on_device
 
 
 class ProbeSchedule:
