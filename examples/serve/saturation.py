@@ -1,0 +1,118 @@
+"""How fast the server's running batch decodes when every request is already waiting: the peak
+a replica can reach, without HTTP, a client or arrivals in between.
+
+    python examples/serve/saturation.py DATA --path CKPT --input FILE [--sentences 300]
+        [--rounds 3] [--batch-size 32] [fairseq-pardec-serve's options]
+
+The same model (loaded once, as the server loads it) decodes the first ``--sentences`` lines of
+``--input`` three ways, in alternating rounds:
+
+* ``join``: the server's ``IterationBatch``: up to ``--batch-size`` rows run; whenever rows
+  finish, the next lines in file order join before the next iteration;
+* ``rounds``: the server's ``RoundBatch``: ``--batch-size`` lines in file order, decoded to
+  their end, then the next;
+* ``offline``: the lines sorted by length, in batches of ``--batch-size`` (what the offline
+  benchmark's batch rows do).
+
+It prints sentences per second for each (median over rounds), ``join`` over ``offline``
+(paired by round), and per way the decoder calls and the mean rows an iteration ran. Every
+output of every way is compared with ``offline``'s (greedy's, for a lossless generator).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def run_join(model, rows_of, capacity):
+    from fairseq_pardec.serve.running_batch import IterationBatch, Row
+
+    batch = IterationBatch(model, capacity)
+    waiting = [Row(source=source, job=None, index=i) for i, source in enumerate(rows_of)]
+    waiting.reverse()
+    outputs = {}
+    while waiting or batch.running():
+        room = capacity - batch.running()
+        if room and waiting:
+            batch.admit([waiting.pop() for _ in range(min(room, len(waiting)))])
+        for row in batch.step().finished:
+            outputs[row.index] = row.hypotheses[0]["tokens"].tolist()
+    return outputs
+
+
+def run_rounds(model, rows_of, capacity):
+    from fairseq_pardec.serve.running_batch import RoundBatch, Row
+
+    batch = RoundBatch(model, capacity)
+    outputs = {}
+    for start in range(0, len(rows_of), capacity):
+        batch.admit([Row(source=source, job=None, index=start + i)
+                     for i, source in enumerate(rows_of[start: start + capacity])])
+        for row in batch.step().finished:
+            outputs[row.index] = row.hypotheses[0]["tokens"].tolist()
+    return outputs
+
+
+def run_offline(model, rows_of, capacity):
+    order = sorted(range(len(rows_of)), key=lambda i: len(rows_of[i]))
+    outputs = {}
+    for start in range(0, len(order), capacity):
+        ids = order[start: start + capacity]
+        sample = model.batch([rows_of[i] for i in ids])
+        for position, hypos in zip(sample["id"].tolist(), model.decode(sample)):
+            outputs[ids[position]] = hypos[0]["tokens"].tolist()
+    return outputs
+
+
+WAYS = {"join": run_join, "rounds": run_rounds, "offline": run_offline}
+
+
+def main(argv=None):
+    ours = argparse.ArgumentParser(add_help=False)
+    ours.add_argument("--input", required=True)
+    ours.add_argument("--sentences", type=int, default=300)
+    ours.add_argument("--rounds", type=int, default=3)
+    mine, rest = ours.parse_known_args(argv)
+
+    import torch
+    from fairseq_pardec.serve.model import LoadedModel
+    from fairseq_pardec.serve.options import parse_args
+
+    args = parse_args(rest)
+    model = LoadedModel(args)
+    with open(mine.input, encoding="utf-8") as lines:
+        texts = [line.rstrip("\n") for line in lines][: mine.sentences]
+    rows_of = [model.encode(text) for text in texts]
+    capacity = args.batch_size
+    stats = model.generator.stats
+    seconds = {way: [] for way in WAYS}
+    work = {}
+    outputs = {}
+    with torch.no_grad():
+        for way, run in WAYS.items():  # warm-up
+            run(model, rows_of[: capacity], capacity)
+        for round_ in range(mine.rounds):
+            names = list(WAYS)
+            turn = round_ % len(names)
+            for way in names[turn:] + names[:turn]:
+                calls, row_iterations = stats.decoder_calls, stats.row_iterations
+                start = time.perf_counter()
+                outputs[way] = WAYS[way](model, rows_of, capacity)
+                seconds[way].append(time.perf_counter() - start)
+                work[way] = (stats.decoder_calls - calls, stats.row_iterations - row_iterations)
+    n = len(rows_of)
+    for way in WAYS:
+        calls, row_iterations = work[way]
+        same = sum(outputs[way][i] == outputs["offline"][i] for i in range(n))
+        print("%-8s %7.1f sent/s  decoder calls %6d  rows an iteration %5.1f  = offline %d/%d"
+              % (way, n / statistics.median(seconds[way]), calls,
+                 row_iterations / max(1, calls), same, n))
+    ratios = [off / joined for off, joined in zip(seconds["offline"], seconds["join"])]
+    print("join / offline: %.2f (%.2f-%.2f) over %d rounds"
+          % (statistics.median(ratios), min(ratios), max(ratios), mine.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
