@@ -9,7 +9,6 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_pardec.decoding.draft_verify.drafters import CachedNARDrafter
 from fairseq_pardec.decoding.draft_verify.drafters.lookup import LookupDrafter, NgramTable
-from fairseq_pardec.decoding.fairseq_rules import token_rules
 from fairseq_pardec.decoding.registry import CopyDrafter, DraftVerifyGenerator, ExactAcceptance
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
@@ -216,10 +215,9 @@ def test_reserved_capacity():
     assert state.slot.capacity == 256 and state.slot.source == 16 and state.slot.rows == 2
 
 
-def test_scores_and_token_rules_in_the_call():
+def test_scores_in_the_call():
     """The log-probabilities computed inside the call are the output layer's, read once (a
-    second read recomputes them); with ``token_rules`` the call applies fairseq's edits and
-    finds the best two candidates; a caller that never reads them stops paying for them."""
+    second read recomputes them); a caller that never reads them stops paying for them."""
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=38)
     sample = random_batch(d, [6, 3, 9], seed=11)
@@ -236,17 +234,6 @@ def test_scores_and_token_rules_in_the_call():
         in_call = step.log_probs(features)
         again = step.log_probs(features)  # not the call's any more: computed from the features
         assert torch.allclose(in_call, again, rtol=0, atol=1e-6)
-        step.rollback(state, 4, torch.zeros(3, dtype=torch.long))
-        step.token_rules = (d.pad(), d.unk(), 0.5)
-        features = step.forward_packed(block, torch.zeros(3, dtype=torch.long), layout, enc, state)
-        best_values, best_tokens = step.best_two(features)
-        assert step.token_rules is not None
-        lprobs = step.log_probs(features)
-        expected = token_rules(BlockDecoder.log_probs(step, features), d.pad(), d.unk(), 0.5)
-        assert torch.allclose(lprobs, expected, rtol=0, atol=1e-6)
-        assert torch.equal(best_values, lprobs.topk(2, dim=-1).values)  # same tensor's topk
-        assert torch.equal(best_tokens, lprobs.topk(2, dim=-1).indices[:, 0])
-        step.token_rules = None
         step.rollback(state, 4, torch.zeros(3, dtype=torch.long))
         step.forward_packed(block, torch.zeros(3, dtype=torch.long), layout, enc, state)
         step.rollback(state, 4, torch.zeros(3, dtype=torch.long))

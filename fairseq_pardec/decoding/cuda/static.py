@@ -29,9 +29,7 @@ its kernel launches and every host read of the device stalls the queue:
   the rows' lengths (the cache, causal inside the block, ragged and bucket padding, or a
   block-causal drafter's own mask).
 * **Scores in the same call.** The output projection and the log-softmax run inside the call
-  (the engine reads them through :meth:`StaticBlockDecoder.log_probs`), and, where the engine
-  asks for them (``token_rules``), fairseq's first edits of the log-probabilities and the best two
-  candidates per position (what the margin guard reads).
+  (the engine reads them through :meth:`StaticBlockDecoder.log_probs`).
 
 The host keeps only what sizes the buffers: an upper bound on the longest row (``bound``, moved
 by block lengths and by the rollbacks' ``keep_range``, which the engine already has on the host).
@@ -53,7 +51,6 @@ from torch import Tensor
 
 from fairseq.modules import LearnedPositionalEmbedding
 
-from fairseq_pardec.decoding.fairseq_rules import token_rules as apply_token_rules
 from fairseq_pardec.decoding.step.block_decoder import UnsupportedDecoder, keep_bounds
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.cuda.cuda_graphs import GraphSet, out_of_memory
@@ -272,10 +269,9 @@ class StaticCache:
 class _Scores:
     """The scores of a step's latest call, until the caller reads them (per thread)."""
 
-    def __init__(self, features, lprobs, index, temperature, best_values=None, best_tokens=None):
+    def __init__(self, features, lprobs, index, temperature):
         self.features, self.lprobs, self.index = features, lprobs, index
         self.temperature = temperature
-        self.best_values, self.best_tokens = best_values, best_tokens
 
 
 class StaticBlockDecoder(LeanBlockDecoder):
@@ -314,9 +310,6 @@ class StaticBlockDecoder(LeanBlockDecoder):
         # whether the calls compute the log-probabilities: a caller that never reads them
         # (a drafter reading its own slots' logits) stops paying for them after one call
         self.scores_in_call = True
-        # (pad, unk, unk_penalty): the call also applies fairseq's token rules to the
-        # log-probabilities and finds the best two per position (best_two)
-        self.token_rules: Optional[Tuple[int, int, float]] = None
 
     def new_state(self, max_len: Optional[int] = None) -> StaticCache:
         """A batch's state; ``max_len``: the most tokens a row outputs (the engine's length
@@ -474,17 +467,16 @@ class StaticBlockDecoder(LeanBlockDecoder):
             if pending is not None and pending.lprobs is not None:
                 self.scores_in_call = False  # the previous call's scores were never read
             scores = self.scores_in_call and not cache_only
-            rules = self.token_rules if scores else None
             temperature = float(getattr(self._local, "temperature", 1.0))
             if scores and slot.temperature_value != temperature:
                 slot.temperature.fill_(temperature)
                 slot.temperature_value = temperature
             # the outputs are the slot's until its next call (a replay rewrites them, and the
             # graphs of a slot share one memory pool: cuda/cuda_graphs.py): the features are
-            # copied out here (index_select), the scores when read (log_probs, best_two),
-            # before the engine calls again on this cache; a new call drops unread ones
-            outputs = slot.graphs.call((width, explicit, scores, rules),
-                                       lambda: self._call(slot, block, explicit, scores, rules))
+            # copied out here (index_select), the scores when read (log_probs), before the
+            # engine calls again on this cache; a new call drops unread ones
+            outputs = slot.graphs.call((width, explicit, scores),
+                                       lambda: self._call(slot, block, explicit, scores))
             # the lengths move outside the recorded call: a call must be repeatable
             slot.lengths[:bsz] += length
             cache.block_first, cache.block_len = cache.bound, length
@@ -496,7 +488,7 @@ class StaticBlockDecoder(LeanBlockDecoder):
             index = self._pack_index(layout, bsz, length, slot.rows)
             features = outputs[0].index_select(0, index)
             self._local.scores = _Scores(features, outputs[1] if scores else None, index,
-                                         temperature, *(outputs[2:] if rules is not None else ()))
+                                         temperature)
         return features
 
     def _fill(self, block: _Block, tokens, start, block_pad, steps, block_mask):
@@ -586,12 +578,11 @@ class StaticBlockDecoder(LeanBlockDecoder):
         own = (relative == block.query_index.view(1, width, 1)) & pad.unsqueeze(2)
         return (allowed | own).unsqueeze(1)
 
-    def _call(self, slot: _Slot, block: _Block, explicit_steps: bool, scores: bool,
-              rules) -> Tuple[Tensor, ...]:
+    def _call(self, slot: _Slot, block: _Block, explicit_steps: bool,
+              scores: bool) -> Tuple[Tensor, ...]:
         """The step on the slot's static buffers: the grid's features (width * rows, d),
-        time-major; with ``scores`` its log-probabilities, and with ``rules`` the best two
-        log-probabilities and the best token after fairseq's token rules. Writes the block's
-        keys and values at each row's length; reads nothing back to the host."""
+        time-major, and with ``scores`` its log-probabilities. Writes the block's keys and
+        values at each row's length; reads nothing back to the host."""
         dec = self.decoder
         rows, width = slot.rows, block.width
         tokens, positions, pad = self._inputs(block, explicit_steps)
@@ -640,18 +631,12 @@ class StaticBlockDecoder(LeanBlockDecoder):
         if not scores:
             return (features,)
         logits = dec.output_layer(features) / slot.temperature
-        lprobs = F.log_softmax(logits.float(), dim=-1)
-        if rules is None:
-            return features, lprobs
-        apply_token_rules(lprobs, *rules)
-        top = lprobs.topk(2, dim=-1)
-        return features, lprobs, top.values, top.indices[:, 0]
+        return features, F.log_softmax(logits.float(), dim=-1)
 
     # ------------------------------------------------------------------ scores
     def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
         """The log-probabilities of ``features``: those computed inside the call that returned
-        them, else computed here; with fairseq's token rules applied where ``token_rules`` is
-        set."""
+        them, else computed here."""
         pending = getattr(self._local, "scores", None)
         if pending is not None and pending.features is features:
             computed = pending.lprobs
@@ -661,19 +646,7 @@ class StaticBlockDecoder(LeanBlockDecoder):
             # the next calls compute them (at this temperature) again
             self.scores_in_call = True
             self._local.temperature = temperature
-        lprobs = super().log_probs(features, temperature)
-        if self.token_rules is not None:
-            apply_token_rules(lprobs, *self.token_rules)
-        return lprobs
-
-    def best_two(self, features: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
-        """((N, 2) best two log-probabilities, (N,) best token) after fairseq's token rules, for
-        the features the latest call returned, computed inside it; None where it did not."""
-        pending = getattr(self._local, "scores", None)
-        if pending is None or pending.features is not features or pending.best_values is None:
-            return None
-        return (pending.best_values.index_select(0, pending.index),
-                pending.best_tokens.index_select(0, pending.index))
+        return super().log_probs(features, temperature)
 
     # ------------------------------------------------------------------ cache surgery
     def reads_encoder_out(self, cache: StaticCache) -> bool:

@@ -28,7 +28,11 @@ from torch import Tensor
 
 from fairseq.sequence_generator import SequenceGenerator
 
-from fairseq_pardec.decoding.step.margins import MarginsInForce
+from fairseq_pardec.decoding.fairseq_rules import beam_one, token_rules
+from fairseq_pardec.decoding.step.block_layout import BlockLayout
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
+from fairseq_pardec.decoding.step.margins import MarginsInForce, teacher_forced_margin
+from fairseq_pardec.decoding.step.one_row_steps import OneRowSteps, one_row_supported
 
 # float32's unit roundoff, doubled: adding a score of magnitude s rounds by at most s * 2**-24,
 # on each of the two candidates.
@@ -131,9 +135,6 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     tests/test_fast_step.py compares the replay with ``SequenceGenerator``, with and without a
     bound, on models where every way is taken.
     """
-    from fairseq_pardec.decoding.fairseq_rules import token_rules
-    from fairseq_pardec.decoding.step.lean import lean_supported
-
     model, decoder = generator.model, generator.model.decoder
     steps = decided.numel()
     # SequenceGenerator's length limit for this search: step `steps` must lie below it
@@ -217,10 +218,6 @@ def _teacher_forced_choice(decoder, encoder_out, tokens: List[int], decision_log
     log-probabilities are within 1.6e-5 of fairseq's on the README models (margins.py), its
     margin a third of the fast step's, so close calls whose lead is not too close end here;
     the rest are replayed step by step."""
-    from fairseq_pardec.decoding.step.block_layout import BlockLayout
-    from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
-    from fairseq_pardec.decoding.step.margins import teacher_forced_margin
-
     weight = decoder.embed_tokens.weight
     if margins is not None:
         margin = margins.teacher_forced
@@ -252,10 +249,6 @@ def _fairseq_features(decoder, encoder_out, tokens, features_of_all: bool,
     ``features_of_all``. :class:`OneRowSteps` where it covers the decoder (from where the row's
     last replay stopped, with ``resume``), else the lean step. Returns the features and the
     :class:`OneRowSteps` that computed them (None: the lean step did)."""
-    from fairseq_pardec.decoding.step.block_layout import BlockLayout
-    from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
-    from fairseq_pardec.decoding.step.one_row_steps import OneRowSteps, one_row_supported
-
     if _ONE_ROW and one_row_supported(decoder):
         steps = resume.steps if resume is not None else None
         if steps is None:
@@ -280,8 +273,6 @@ def _fairseq_features(decoder, encoder_out, tokens, features_of_all: bool,
 
 def _choice(lprobs: Tensor, score: np.float32) -> int:
     """fairseq's beam-1 choice over one row of adjusted log-probabilities (1, V)."""
-    from fairseq_pardec.decoding.fairseq_rules import beam_one
-
     if lprobs.size(-1) < 2:
         return 0
     values, indices = lprobs.topk(2, dim=-1)
