@@ -7,6 +7,7 @@ around them differs: requests instead of standard input.
 """
 
 import ast
+import logging
 import math
 from dataclasses import dataclass
 from typing import List, Optional
@@ -14,6 +15,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+logger = logging.getLogger("fairseq_pardec.serve")
 
 @dataclass
 class Output:
@@ -72,6 +74,7 @@ class LoadedModel:
         self.truncates = bool(getattr(cfg.task, "truncate_source", False))
         self.nbest = cfg.generation.nbest
         self._warm_fairseq_search()
+        self.margin_rows = self._measure_margins()
 
     # ------------------------------------------------------------------ text in
     def encode_text(self, text: str) -> str:
@@ -105,6 +108,44 @@ class LoadedModel:
         (``sample["id"]`` maps them back)."""
         with torch.no_grad():
             return self.task.inference_step(self.generator, self.models, sample)
+
+    def _measure_margins(self) -> int:
+        """A guarded draft-and-verify generator measures its margins on the model's first rows
+        of real text before it decides with them (step/calibration.py), at batch 1 a row a
+        batch: each of a server's first requests would wait for a row's measurement. Where
+        DATA holds a binarized split (valid, else test), its first rows are decoded here, once,
+        before the server says it is ready. Returns how many rows were decoded (0: none, the
+        first requests measure)."""
+        from fairseq import utils
+
+        from fairseq_pardec.decoding.draft_verify.engine import DraftVerifyGenerator
+        from fairseq_pardec.decoding.step import calibration
+        from fairseq_pardec.tasks.warm_up import decode_quietly
+
+        generator = self.generator
+        if not isinstance(generator, DraftVerifyGenerator) or not generator._guarded():
+            return 0
+        for split in ("valid", "test"):
+            try:
+                self.task.load_dataset(split)
+            except Exception as error:  # no such split (FileNotFoundError), or none readable
+                logger.debug("no %s split to measure the margins on: %s", split, error)
+                continue
+            dataset = self.task.dataset(split)
+            rows = min(calibration.ROWS, len(dataset))
+            if rows == 0:
+                continue
+            sample = dataset.collater([dataset[i] for i in range(rows)])
+            if self.use_cuda:
+                sample = utils.move_to_cuda(sample)
+            if decode_quietly(generator, self.models[0], sample):
+                logger.info("margins measured on the first %d sentences of DATA's %s split "
+                            "before serving", rows, split)
+                return rows
+        logger.info("DATA holds no binarized valid or test split: the margins are measured on the "
+                    "first requests (each of the first %d waits for a row's measurement)",
+                    calibration.ROWS)
+        return 0
 
     def _warm_fairseq_search(self):
         """fairseq's own search (beam, greedy) is not warmed by the task: one short decode of

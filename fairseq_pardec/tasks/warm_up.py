@@ -53,16 +53,6 @@ def warm_up(generator, model, source_dictionary) -> bool:
     DraftVerifyGenerator) on ``model``'s device. Returns whether it decoded; a length limit
     that refuses the synthetic sentence leaves the generator cold (the real batches are
     checked on their own)."""
-    from fairseq_pardec.decoding.decode_stats import DecodeStats
-    from fairseq_pardec.decoding.draft_verify.acceptance import ExactAcceptance
-    from fairseq_pardec.decoding.draft_verify.drafters import NoDrafter
-
-    view = copy.copy(generator)  # shares the model and the chosen decoder step
-    view.drafter = NoDrafter()
-    view.acceptance = ExactAcceptance()
-    view.sampler = None
-    view.backoff = False
-    view.stats = DecodeStats()
     device = next(model.parameters()).device
     first = source_dictionary.nspecial
     count = max(1, min(SOURCE_TOKENS, len(source_dictionary) - first))
@@ -77,11 +67,30 @@ def warm_up(generator, model, source_dictionary) -> bool:
         },
     }
     started = time.perf_counter()
+    if not decode_quietly(generator, model, sample):
+        return False
+    logger.info("warm-up: one sentence decoded in %.2fs before the timed decoding",
+                time.perf_counter() - started)
+    return True
+
+
+def decode_quietly(generator, model, sample) -> bool:
+    """Decode ``sample`` through a view of ``generator`` that shares its model and decoder step
+    but drafts nothing, samples nothing and counts into statistics of its own (see the module's
+    text). Returns whether it decoded (a length limit may refuse the sample)."""
+    from fairseq_pardec.decoding.decode_stats import DecodeStats
+    from fairseq_pardec.decoding.draft_verify.acceptance import ExactAcceptance
+    from fairseq_pardec.decoding.draft_verify.drafters import NoDrafter
+
+    view = copy.copy(generator)  # shares the model and the chosen decoder step
+    view.drafter = NoDrafter()
+    view.acceptance = ExactAcceptance()
+    view.sampler = None
+    view.backoff = False
+    view.stats = DecodeStats()
     try:
         view.generate([model], sample)
     except UsageError as error:
         logger.info("no warm-up decode (%s)", error)
         return False
-    logger.info("warm-up: one sentence decoded in %.2fs before the timed decoding",
-                time.perf_counter() - started)
     return True
