@@ -212,19 +212,28 @@ def test_health_ready_and_the_page(served):
 
 def test_sigterm_drains_answers_every_accepted_request_and_exits_0(cli_data, stock_checkpoint, tmp_path):
     _, data = cli_data
-    texts = source_texts(cli_data)[:12]
+    # enough rows that the tiny model at batch 1 is still decoding when all three requests are
+    # in: waiting for a queue snapshot instead raced the decoder on a fast machine
+    per_request = 40
+    texts = (source_texts(cli_data) * per_request)[:3 * per_request]
     server = ServerProcess(data, stock_checkpoint / "checkpoint_last.pt", "--generator", "auto",
                            "--batch-size", 1, log_path=tmp_path / "server.log")
     try:
         answers = [None] * 3
 
         def send(i):
-            answers[i] = post(server.url, {"text": texts[4 * i: 4 * i + 4]})
+            answers[i] = post(server.url, {"text": texts[per_request * i: per_request * (i + 1)]})
+
+        def all_accepted_and_some_waiting():
+            values = metrics(server.url)
+            held = values["pardec_queue_rows"] + values["pardec_running_rows"]
+            accepted = held + values["pardec_rows_decoded_total"]
+            return accepted == len(texts) and values["pardec_queue_rows"] > 0
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
         for thread in threads:
             thread.start()
-        wait_for(lambda: metrics(server.url)["pardec_queue_rows"] >= 8, timeout=30, every=0.01)
+        wait_for(all_accepted_and_some_waiting, timeout=30, every=0.01)
         server.proc.send_signal(__import__("signal").SIGTERM)
         # draining: new requests and /ready get 503, the listening socket still answers
         refused = post(server.url, {"text": "a b"})
@@ -238,7 +247,7 @@ def test_sigterm_drains_answers_every_accepted_request_and_exits_0(cli_data, sto
     assert refused.headers["Retry-After"] == "1"
     assert not_ready.status_code == 503
     assert [a.status_code for a in answers] == [200, 200, 200]
-    assert [len(a.json()["outputs"]) for a in answers] == [4, 4, 4]
+    assert [len(a.json()["outputs"]) for a in answers] == [per_request] * 3
     assert status == 0, server.output()[-2000:]
 
 
