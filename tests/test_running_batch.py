@@ -48,9 +48,11 @@ def alone(model, d, sources):
     return [fairseq_greedy(model, d, collate(d, [s]), **LIMITS)[0][0] for s in sources]
 
 
-def run_schedule(generator, d, sources, seed, cancel_rate=0.05, most_joining=3):
+def run_schedule(generator, d, sources, seed, cancel_rate=0.05, most_joining=3, ahead=False):
     """Decode ``sources`` through one running batch on a random schedule; returns
-    {sentence index: hypothesis} and the most rows that ran together."""
+    {sentence index: hypothesis} and the most rows that ran together. ``ahead``: the joiners
+    are taken, in a random order, from one encoder call over them and up to five sentences
+    more (a server's prepared rows: their padding and their neighbours differ)."""
     rng = random.Random(seed)
     waiting = list(range(len(sources)))
     done, running, widest = {}, {}, 0  # running: row id -> sentence index
@@ -59,14 +61,22 @@ def run_schedule(generator, d, sources, seed, cancel_rate=0.05, most_joining=3):
     while waiting or running:
         if waiting and (not running or rng.random() < 0.6):
             joining = [waiting.pop(0) for _ in range(min(len(waiting), rng.randint(1, most_joining)))]
-            sample = collate(d, [sources[i] for i in joining])
+            sample, encoder_out = collate(d, [sources[i] for i in joining]), None
             # the collater orders by length: its ids say which sentence each row is
             order = sample["id"].tolist()
+            if ahead:
+                group = joining + rng.sample(range(len(sources)), min(5, len(sources)))
+                encoded = generator.encode_rows(collate(d, [sources[i] for i in group]))
+                place = {index: position for position, index in
+                         enumerate(encoded.sample["id"].tolist())}
+                order = list(range(len(joining)))
+                rng.shuffle(order)
+                sample, encoder_out = encoded.take([place[i] for i in order])
             if batch is None or not batch.rows_host:
-                batch = generator.open(sample)
+                batch = generator.open(sample, encoder_out)
                 ids = list(range(len(order)))
             else:
-                ids = generator.join(batch, sample)
+                ids = generator.join(batch, sample, encoder_out)
             for row, position in zip(ids, order):
                 running[row] = joining[position]
             joined_running += bool(running) and len(batch.rows_host) > len(ids)
@@ -99,27 +109,31 @@ def random_sources(d, count, seed, lo=2, hi=30):
 
 
 @pytest.mark.parametrize("name", ["lean_greedy", "iad", "lookup", "auto"])
-@pytest.mark.parametrize("seed, step", [(0, "fast"), (1, "fast"), (2, "lean")])
-def test_random_model_random_schedule_equals_greedy_alone(name, seed, step):
+@pytest.mark.parametrize("seed, step, ahead", [(0, "fast", False), (1, "fast", False),
+                                               (2, "lean", False), (3, "fast", True),
+                                               (4, "lean", True)])
+def test_random_model_random_schedule_equals_greedy_alone(name, seed, step, ahead):
     d, model = random_model(40, seed=seed)
     sources = random_sources(d, 24, seed)
     generator = generator_for(model, d, name, fast=step == "fast")
     assert type(generator.block_decoder).__name__ == {"fast": "FastBlockDecoder",
                                                       "lean": "LeanBlockDecoder"}[step]
-    done, widest = run_schedule(generator, d, sources, seed)
+    done, widest = run_schedule(generator, d, sources, seed, ahead=ahead)
     check_identical(done, alone(model, d, sources))
     assert widest > 3  # rows did share iterations
 
 
 @pytest.mark.trains
-@pytest.mark.parametrize("name", ["lean_greedy", "iad", "lookup", "auto"])
-def test_trained_model_random_schedule_equals_greedy_alone(copy_model, name):
+@pytest.mark.parametrize("name, ahead", [("lean_greedy", False), ("iad", False),
+                                         ("lookup", False), ("auto", False), ("iad", True),
+                                         ("auto", True)])
+def test_trained_model_random_schedule_equals_greedy_alone(copy_model, name, ahead):
     model, d, make_sample = copy_model
     sample = make_sample(24, seed=321)
     tokens, pad = sample["net_input"]["src_tokens"], d.pad()
     sources = [row[row.ne(pad)] for row in tokens]
     generator = generator_for(model, d, name)
-    done, _ = run_schedule(generator, d, sources, seed=7, most_joining=4)
+    done, _ = run_schedule(generator, d, sources, seed=7, most_joining=4, ahead=ahead)
     check_identical(done, alone(model, d, sources))
     stats = generator.stats
     if name != "lean_greedy":  # rows that joined draft too
@@ -130,8 +144,9 @@ def test_trained_model_random_schedule_equals_greedy_alone(copy_model, name):
 
 
 @pytest.mark.trains
-@pytest.mark.parametrize("name", ["lean_greedy", "lookup"])
-def test_every_decision_replayed_on_the_rows_own_sentence(copy_model, name):
+@pytest.mark.parametrize("name, ahead", [("lean_greedy", False), ("lookup", False),
+                                         ("lookup", True)])
+def test_every_decision_replayed_on_the_rows_own_sentence(copy_model, name, ahead):
     """A margin that makes every choice a close call hands each one to fairseq's arithmetic on
     the row's own sentence alone: a row that joined must replay its own source."""
     model, d, make_sample = copy_model
@@ -139,7 +154,7 @@ def test_every_decision_replayed_on_the_rows_own_sentence(copy_model, name):
     tokens, pad = sample["net_input"]["src_tokens"], d.pad()
     sources = [row[row.ne(pad)] for row in tokens]
     generator = generator_for(model, d, name, margin=1e9)
-    done, _ = run_schedule(generator, d, sources, seed=3)
+    done, _ = run_schedule(generator, d, sources, seed=3, ahead=ahead)
     check_identical(done, alone(model, d, sources))
     assert generator.stats.close_calls > 0
 
@@ -198,6 +213,49 @@ def test_the_servers_batch_takes_rows_at_every_iteration():
         assert row.hypotheses[0]["tokens"].tolist() == expected[row.index]["tokens"].tolist()
     # rows joined while others ran: fewer steps than decoding them one after the other
     assert steps < sum(len(e["tokens"]) for e in expected)
+
+
+def test_rows_admitted_past_the_places_are_encoded_together_and_join_as_places_free():
+    from fairseq_pardec.serve.running_batch import Row, running_batch_for
+
+    d, model = random_model(40, seed=11)
+    sources = random_sources(d, 11, seed=12, lo=3, hi=20)
+    generator = generator_for(model, d, "iad")
+    # what the engine is handed: rows encoded together, and whether a join brings its encoding
+    encode_rows, join, encoded, brought = generator.encode_rows, generator.join, [], []
+
+    def counted(sample):
+        encoded.append(sample["net_input"]["src_tokens"].size(0))
+        return encode_rows(sample)
+
+    def joined(running, sample, encoder_out=None):
+        brought.append((encoder_out is not None, sample["net_input"]["src_tokens"].size(0)))
+        return join(running, sample, encoder_out)
+
+    generator.encode_rows, generator.join = counted, joined
+    batch = running_batch_for(_Served(generator, d), capacity=3, batching="join")
+    assert batch.room() == 3 + batch.prepare == 6
+    rows = [Row(source=s, job=None, index=i) for i, s in enumerate(sources)]
+    batch.admit(rows[:6])  # three join, three are prepared: one encoder call for six
+    assert encoded == [6] and batch.prepared() == 3 and batch.room() == 0
+    batch.cancel(rows[4])  # a prepared row's request went away: it never joins
+    waiting, finished = rows[6:], []
+    while waiting or batch.running():
+        room = batch.room()
+        if waiting and room:
+            batch.admit([waiting.pop(0) for _ in range(min(room, len(waiting)))])
+        finished += batch.step().finished
+        assert batch.running() - batch.prepared() <= batch.capacity
+    assert sorted(r.index for r in finished) == [i for i in range(11) if i != 4]
+    # every prepared row joined with the encoding made for it (the first three opened the
+    # batch, one was cancelled), and the rows admitted into free places were encoded as they
+    # joined
+    ahead = sum(rows for given, rows in brought if given)
+    assert ahead == sum(encoded) - 3 - 1
+    assert sum(rows for given, rows in brought if not given) == 11 - sum(encoded)
+    expected = alone(model, d, sources)
+    for row in finished:
+        assert row.hypotheses[0]["tokens"].tolist() == expected[row.index]["tokens"].tolist()
 
 
 def test_the_server_decodes_in_rounds_where_rows_cannot_join(caplog):

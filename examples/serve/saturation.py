@@ -8,7 +8,10 @@ The same model (loaded once, as the server loads it) decodes the first ``--sente
 ``--input`` three ways, in alternating rounds:
 
 * ``join``: the server's ``IterationBatch``: up to ``--batch-size`` rows run; whenever rows
-  finish, the next lines in file order join before the next iteration;
+  finish, the next lines in file order join before the next iteration, encoded ahead up to
+  ``--prepare-rows`` at a time (by default ``--batch-size``) while more wait than there are
+  free places;
+* ``join-each``: the same with ``--prepare-rows 0``: each joiner is encoded as it joins;
 * ``rounds``: the server's ``RoundBatch``: ``--batch-size`` lines in file order, decoded to
   their end, then the next;
 * ``offline``: the lines sorted by length, in batches of ``--batch-size`` (what the offline
@@ -25,15 +28,15 @@ import sys
 import time
 
 
-def run_join(model, rows_of, capacity):
+def run_join(model, rows_of, capacity, prepare=None):
     from fairseq_pardec.serve.running_batch import IterationBatch, Row
 
-    batch = IterationBatch(model, capacity)
+    batch = IterationBatch(model, capacity, prepare)
     waiting = [Row(source=source, job=None, index=i) for i, source in enumerate(rows_of)]
     waiting.reverse()
     outputs = {}
     while waiting or batch.running():
-        room = capacity - batch.running()
+        room = batch.room()
         if room and waiting:
             batch.admit([waiting.pop() for _ in range(min(room, len(waiting)))])
         for row in batch.step().finished:
@@ -65,7 +68,12 @@ def run_offline(model, rows_of, capacity):
     return outputs
 
 
-WAYS = {"join": run_join, "rounds": run_rounds, "offline": run_offline}
+def run_join_each(model, rows_of, capacity):
+    return run_join(model, rows_of, capacity, prepare=0)
+
+
+WAYS = {"join": run_join, "join-each": run_join_each, "rounds": run_rounds,
+        "offline": run_offline}
 
 
 def main(argv=None):
@@ -85,6 +93,8 @@ def main(argv=None):
         texts = [line.rstrip("\n") for line in lines][: mine.sentences]
     rows_of = [model.encode(text) for text in texts]
     capacity = args.batch_size
+    WAYS["join"] = lambda model, rows_of, capacity: run_join(model, rows_of, capacity,
+                                                             args.prepare_rows)
     stats = model.generator.stats
     seconds = {way: [] for way in WAYS}
     work = {}
@@ -105,12 +115,13 @@ def main(argv=None):
     for way in WAYS:
         calls, row_iterations = work[way]
         same = sum(outputs[way][i] == outputs["offline"][i] for i in range(n))
-        print("%-8s %7.1f sent/s  decoder calls %6d  rows an iteration %5.1f  = offline %d/%d"
+        print("%-9s %7.1f sent/s  decoder calls %6d  rows an iteration %5.1f  = offline %d/%d"
               % (way, n / statistics.median(seconds[way]), calls,
                  row_iterations / max(1, calls), same, n))
-    ratios = [off / joined for off, joined in zip(seconds["offline"], seconds["join"])]
-    print("join / offline: %.2f (%.2f-%.2f) over %d rounds"
-          % (statistics.median(ratios), min(ratios), max(ratios), mine.rounds))
+    for way in ("join", "join-each"):
+        ratios = [off / joined for off, joined in zip(seconds["offline"], seconds[way])]
+        print("%s / offline: %.2f (%.2f-%.2f) over %d rounds"
+              % (way, statistics.median(ratios), min(ratios), max(ratios), mine.rounds))
     return 0
 
 

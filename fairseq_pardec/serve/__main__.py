@@ -20,7 +20,8 @@ def build_service(args):
     metrics = Metrics()
     admission = (JoinNow() if args.batching in ("join", "rounds")
                  else Buffer(args.batch_size, args.batch_wait_ms / 1000.0))
-    batcher = Batcher(running_batch_for(model, args.batch_size, args.batching), admission,
+    running = running_batch_for(model, args.batch_size, args.batching, args.prepare_rows)
+    batcher = Batcher(running, admission,
                       args.max_pending_rows, metrics)
     page = render(args.path, str(getattr(args, "generator", "beam")), model.shares_vocabulary)
     return Service(model=model, batcher=batcher, limits=Limits.from_args(args, model),

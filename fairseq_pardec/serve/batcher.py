@@ -192,7 +192,7 @@ class Batcher:
             now = time.monotonic()
             gone = self._drop_dead(now)
             running = self.batch.running()
-            free = self.batch.capacity - running
+            free = self.batch.room()
             if self.admission.ready(self._waiting, running, free, time.perf_counter()):
                 rows = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
                 self._running_jobs.update(row.job for row in rows)
@@ -266,7 +266,9 @@ class Batcher:
             return 1
         return int(min(60, max(1, math.ceil(self._pending / self._rows_per_s))))
 
-    def _gauges(self, running: Optional[int] = None):
+    def _gauges(self, held: Optional[int] = None):
+        """``held``: the rows the batch holds (running or prepared), where it just took more."""
         if self.metrics:
-            self.metrics.set_rows(len(self._waiting),
-                                  self.batch.running() if running is None else running)
+            held = self.batch.running() if held is None else held
+            prepared = self.batch.prepared()  # admitted, and waiting for a place
+            self.metrics.set_rows(len(self._waiting) + prepared, held - prepared)

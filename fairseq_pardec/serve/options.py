@@ -26,6 +26,11 @@ def add_serve_args(parser):
                        "rounds, each decoded to its end; buffer: gather up to --batch-size rows "
                        "or --batch-wait-ms, then decode that batch to its end, as TorchServe and "
                        "CTranslate2's buffer do (default join)")
+    group.add_argument("--prepare-rows", type=int, default=None,
+                       help="--batching join: when more texts wait than the running batch has "
+                       "free places, up to this many more are encoded in the same call and "
+                       "join as places free up, so that a queue is encoded a batch at a time "
+                       "(default: --batch-size; 0: each text is encoded as it joins)")
     group.add_argument("--batch-wait-ms", type=float, default=10.0,
                        help="--batching buffer: how long the first waiting row waits for others "
                        "(default 10)")
@@ -74,6 +79,8 @@ def check(args: argparse.Namespace):
     for flag in ("request_timeout", "drain_timeout"):
         if not getattr(args, flag) > 0:
             raise UsageError("--%s must be > 0 seconds (got %s)" % (flag.replace("_", "-"), getattr(args, flag)))
+    if args.prepare_rows is not None and args.prepare_rows < 0:
+        raise UsageError("--prepare-rows must be >= 0 (got %s)" % args.prepare_rows)
     if args.batch_wait_ms < 0:
         raise UsageError("--batch-wait-ms must be >= 0 (got %s)" % args.batch_wait_ms)
     if args.max_texts > args.max_pending_rows:

@@ -18,9 +18,11 @@ import time
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from fairseq_pardec.decoding.draft_verify.encoded_rows import encodes_ahead
 
 logger = logging.getLogger("fairseq_pardec.serve")
 
@@ -58,9 +60,17 @@ class RunningBatch(ABC):
     def running(self) -> int:
         """Rows admitted and not yet finished or cancelled."""
 
+    def prepared(self) -> int:
+        """Of the running rows, those admitted and not yet decoding (they count as waiting)."""
+        return 0
+
+    def room(self) -> int:
+        """How many more rows ``admit`` takes now."""
+        return self.capacity - self.running()
+
     @abstractmethod
     def admit(self, rows: List[Row]) -> None:
-        """``rows`` join the batch (at most ``capacity - running()`` of them)."""
+        """``rows`` join the batch (at most ``room()`` of them)."""
 
     def _check_room(self, rows: List[Row]):
         if self.running() + len(rows) > self.capacity:
@@ -122,35 +132,80 @@ class RoundBatch(RunningBatch):
 class IterationBatch(RunningBatch):
     """Rows join the running batch between two iterations and leave it when they finish or are
     cancelled; one step is one iteration of the draft-and-verify engine (engine.py: ``open``,
-    ``join``, ``iterate``, ``leave``). No row waits for another's end."""
+    ``join``, ``iterate``, ``leave``). No row waits for another's end.
 
-    def __init__(self, model, capacity: int):
+    When more rows are admitted than the batch has places, they are encoded together in one call
+    and *prepared*: they join, in the order admitted, as places free up, with no encoder call of
+    their own (encoded_rows.py). The batch asks for more (``room``) only once its prepared rows
+    are too few to fill its free places, and then for up to ``prepare`` more than that, so that
+    a server with a queue encodes its joiners a batch at a time, where joining one by one would
+    encode them one by one."""
+
+    def __init__(self, model, capacity: int, prepare: Optional[int] = None):
         self.model = model  # serve.model.LoadedModel, its generator a DraftVerifyGenerator
         self.generator = model.generator
         self.capacity = capacity
+        if not encodes_ahead(self.generator.model):
+            prepare = 0  # rows cannot be taken from its encoder's output
+        self.prepare = capacity if prepare is None else prepare
         self._batch = None  # the engine's running Batch, None until rows first join
         self._rows: Dict[int, Row] = {}  # the batch's row id -> its Row
+        # admitted rows encoded and waiting for a place: (row, its EncodedRows, its position)
+        self._prepared: List[Tuple[Row, Any, int]] = []
 
     def running(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + len(self._prepared)
+
+    def prepared(self) -> int:
+        return len(self._prepared)
+
+    def room(self) -> int:
+        free = self.capacity - len(self._rows) - len(self._prepared)
+        return free + self.prepare if free > 0 else 0
 
     def admit(self, rows: List[Row]) -> None:
-        self._check_room(rows)
+        if self.running() + len(rows) > self.capacity + self.prepare:
+            raise ValueError("%d rows admitted to a batch of %d running or prepared rows, "
+                             "capacity %d and %d prepared" % (len(rows), self.running(),
+                                                              self.capacity, self.prepare))
         if not rows:
             return
         sample = self.model.batch([row.source for row in rows])
         order = sample["id"].tolist()  # the collater orders by length
+        if self.running() + len(rows) <= self.capacity:  # every row has a place: they join
+            self._join(rows, order, sample, None)
+            return
+        encoded = self.generator.encode_rows(sample)
+        position_of = {index: position for position, index in enumerate(order)}
+        self._prepared += [(row, encoded, position_of[i]) for i, row in enumerate(rows)]
+        self._fill()
+
+    def _fill(self):
+        """Prepared rows take the free places, in the order they were admitted."""
+        free = self.capacity - len(self._rows)
+        taking, self._prepared = self._prepared[:free], self._prepared[free:]
+        while taking:  # rows of one encoder call join together
+            encoded = taking[0][1]
+            group = [entry for entry in taking if entry[1] is encoded]
+            taking = [entry for entry in taking if entry[1] is not encoded]
+            sample, encoder_out = encoded.take([position for _, _, position in group])
+            self._join([row for row, _, _ in group], list(range(len(group))), sample,
+                       encoder_out)
+
+    def _join(self, rows: List[Row], order: List[int], sample, encoder_out) -> None:
+        """``sample``'s rows, row ``order[i]`` of ``rows`` at its position i, join the batch."""
         if not self._rows:  # nothing running: a fresh batch
-            self._batch = self.generator.open(sample)
+            self._batch = self.generator.open(sample, encoder_out)
             ids = list(range(len(rows)))
         else:
-            ids = self.generator.join(self._batch, sample)
+            ids = self.generator.join(self._batch, sample, encoder_out)
         joined_at = time.perf_counter()
         for row_id, position in zip(ids, order):
             self._rows[row_id] = rows[position]
             rows[position].joined_at = joined_at
 
     def cancel(self, row: Row) -> None:
+        self._prepared = [entry for entry in self._prepared if entry[0] is not row]
         gone = [row_id for row_id, running in self._rows.items() if running is row]
         for row_id in gone:
             del self._rows[row_id]
@@ -158,6 +213,7 @@ class IterationBatch(RunningBatch):
             self.generator.leave(self._batch, gone)
 
     def step(self) -> StepReport:
+        self._fill()
         if not self._rows:
             return StepReport()
         stats = self.generator.stats
@@ -186,7 +242,8 @@ class IterationBatch(RunningBatch):
         )
 
 
-def running_batch_for(model, capacity: int, batching: str) -> RunningBatch:
+def running_batch_for(model, capacity: int, batching: str,
+                      prepare: Optional[int] = None) -> RunningBatch:
     """The running batch of a server: rows join at every iteration where the generator takes
     them (--batching join), else in rounds, with one line saying why."""
     from fairseq_pardec.decoding.draft_verify.engine import DraftVerifyGenerator
@@ -204,4 +261,4 @@ def running_batch_for(model, capacity: int, batching: str) -> RunningBatch:
                     "that rows could join; rows join between rounds",
                     type(generator.block_decoder).__name__)
         return RoundBatch(model, capacity)
-    return IterationBatch(model, capacity)
+    return IterationBatch(model, capacity, prepare)

@@ -32,6 +32,11 @@ from fairseq_pardec.decoding.cpu.products import (NATIVE, FeedForward, KernelCho
 from fairseq_pardec.decoding.step.weights_key import PREPARE_LOCK, WeightsKey
 
 
+# below this share of real positions in a padded batch, the position-wise products run on the
+# real positions alone (a queue's texts encoded together are far apart in length)
+PACK_BELOW = 0.85
+
+
 def _plain_self_attention(attn) -> bool:
     from fairseq_pardec.decoding.step.lean import _plain_attention
 
@@ -138,15 +143,23 @@ class FastEncoder:
             x = x * (1 - padding.unsqueeze(-1).type_as(x))
         bsz, length, dim = x.shape
         x = x.reshape(bsz * length, dim)
-        kernel = self.kernels.kernel_for(x.size(0))
+        real = None  # the real positions, where the padding is worth leaving out
+        if has_pads:
+            count = int(bsz * length - padding.sum())
+            if count < PACK_BELOW * bsz * length:
+                real = (~padding).view(-1).nonzero().view(-1)
+        kernel = self.kernels.kernel_for(x.size(0) if real is None else real.numel())
         if weights.stack is not None and self.native_stack and kernel == NATIVE:
             x = weights.stack.encode(x, padding if has_pads else None, bsz, length)
+            real = None
         else:
             # attention reads every real key; None lets the kernel skip the mask
             attend = (~padding).view(bsz, 1, 1, length) if has_pads else None
-            x = self._torch_layers(x, weights.layers, kernel, attend, bsz, length)
+            x = self._torch_layers(x, weights.layers, kernel, attend, bsz, length, real)
         if enc.layer_norm is not None:
             x = enc.layer_norm(x)
+        if real is not None:  # back in place; padding positions hold zeros, read by no one
+            x = x.new_zeros(bsz * length, dim).index_copy_(0, real, x)
         states = x.view(bsz, length, dim).transpose(0, 1).contiguous()  # (S, B, C), as fairseq
         src_lengths = (~padding).sum(dim=1, dtype=torch.int32).reshape(-1, 1).contiguous()
         return {
@@ -179,18 +192,32 @@ class FastEncoder:
 
     @staticmethod
     def _torch_layers(x: Tensor, layers: List[_EncoderLayer], kernel: str,
-                      attend: Optional[Tensor], bsz: int, length: int) -> Tensor:
-        """The layers as torch operations around the products, on (bsz * length, C) rows."""
+                      attend: Optional[Tensor], bsz: int, length: int,
+                      real: Optional[Tensor] = None) -> Tensor:
+        """The layers as torch operations around the products, on (bsz * length, C) rows;
+        returns the rows at ``real`` (positions into them) only, where given: then every
+        position-wise product runs on the real positions alone, and only attention sees the
+        padded layout."""
         dim = x.size(1)
+        placed = None
+        if real is not None:
+            x = x.index_select(0, real)
+            # the padded layout attention reads; its padding rows stay zero
+            placed = x.new_zeros(bsz * length, 3 * dim)
         for layer in layers:
             norm_attn = layer.norm_attn
             residual = x
             if layer.pre_norm:
                 x = norm_attn(x)
-            qkv = layer.qkv(x, kernel).view(bsz, length, 3, layer.heads, layer.head_dim)
+            qkv = layer.qkv(x, kernel)
+            if placed is not None:
+                qkv = placed.index_copy_(0, real, qkv)
+            qkv = qkv.view(bsz, length, 3, layer.heads, layer.head_dim)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, S, head_dim)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=1.0)
             out = out.permute(0, 2, 1, 3).reshape(bsz * length, dim)
+            if real is not None:
+                out = out.index_select(0, real)
             x = layer.out(out, kernel, add=residual)
             if not layer.pre_norm:
                 x = norm_attn(x)

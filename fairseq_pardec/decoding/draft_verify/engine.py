@@ -69,6 +69,7 @@ from fairseq_pardec.decoding.step_factory import StepChoice
 from fairseq_pardec.decoding.step.interface import DecoderStep
 from fairseq_pardec.decoding.decode_stats import DecodeStats, StatsGenerator
 from fairseq_pardec.decoding.draft_verify.batch_state import Batch, Block, BlockShapes, to_device
+from fairseq_pardec.decoding.draft_verify.encoded_rows import EncodedRows, encodes_ahead
 
 
 class DraftVerifyGenerator(StatsGenerator):
@@ -235,27 +236,39 @@ class DraftVerifyGenerator(StatsGenerator):
         return self.block_decoder.joins_rows and self.drafter.joins_rows
 
     @torch.no_grad()
-    def open(self, sample) -> Batch:
+    def open(self, sample, encoder_out=None) -> Batch:
         """A running batch of ``sample``'s rows, each with its own length limit (from its own
         source length, as ``--batch-size 1`` has it): rows may join it between iterations
         (``join``), and each row's output is the one it has decoded alone. Advance it with
-        ``iterate``; its ids are the rows of ``sample`` and then those ``join`` returns."""
+        ``iterate``; its ids are the rows of ``sample`` and then those ``join`` returns.
+        ``encoder_out``: the rows' encoder output, where it was computed ahead (``encode_rows``)."""
         if not self.joins_rows():
             raise UsageError("rows cannot join a running batch of --generator %s on the %s "
                              "decoder step" % (getattr(self, "name", type(self).__name__),
                                                type(self.block_decoder).__name__))
-        return self._start(sample, None, None, per_row_limits=True)
+        return self._start(sample, None, None, per_row_limits=True, encoder_out=encoder_out)
 
     @torch.no_grad()
-    def join(self, batch: Batch, sample) -> List[int]:
+    def join(self, batch: Batch, sample, encoder_out=None) -> List[int]:
         """``sample``'s rows join the running ``batch`` (``open``) before its next iteration:
-        their encoder runs once and their drafter state starts; returns their row ids."""
+        their encoder runs once (unless ``encoder_out`` gives its output, computed ahead:
+        ``encode_rows``) and their drafter state starts; returns their row ids."""
         joining = self._start(sample, None, batch.bos_token, per_row_limits=True,
-                              step_and_encoder=(batch.step, self._step_and_encoder()[1]))
+                              step_and_encoder=(batch.step, self._step_and_encoder()[1]),
+                              encoder_out=encoder_out)
         return batch.absorb(joining)
 
+    @torch.no_grad()
+    def encode_rows(self, sample) -> Optional[EncodedRows]:
+        """``sample``'s rows encoded in one call, for ``open`` or ``join`` to take a few at a
+        time (encoded_rows.py); None where the model's encoder output is not fairseq's
+        Transformer dictionary, whose rows could not be taken."""
+        if not encodes_ahead(self.model):
+            return None
+        return EncodedRows(sample, self.encode(sample["net_input"]), self.src_pad)
+
     def _start(self, sample, prefix_tokens, bos_token, per_row_limits: bool = False,
-               step_and_encoder=None) -> Batch:
+               step_and_encoder=None, encoder_out=None) -> Batch:
         """Encode the batch, start the drafter, and set up the state of every row."""
         self.model.decoder.set_beam_size(1)  # undo a beam generator built earlier on this model
         net_input = sample["net_input"]
@@ -295,8 +308,10 @@ class DraftVerifyGenerator(StatsGenerator):
                 self.stats.margins = margins.describe()
         batch = Batch(self, step, bsz, max_len, bos, prefix_tokens, device, guard, margins,
                       row_max_len=row_max_len, sources=src_tokens, bos_token=bos_token)
-        with batch.encoder_timer:
-            batch.set_encoder_out(encode(net_input))
+        if encoder_out is None:
+            with batch.encoder_timer:
+                encoder_out = encode(net_input)
+        batch.set_encoder_out(encoder_out)
         with batch.drafter_timer:
             batch.drafts = self.drafter.start(sample, batch.encoder_out, bos, batch.schedule)
         return batch
