@@ -36,6 +36,22 @@ def _log_probs(blocks, features):
         return blocks.log_probs(features.reshape(-1, features.size(-1)))
 
 
+
+def _never(decoder) -> bool:
+    return False
+
+
+def _none(*args, **kwargs):
+    return None
+
+
+def _searched(monkeypatch, generator, src, decided):
+    """fairseq_decision by fairseq's SequenceGenerator itself: the replay declines a decoder
+    the lean step does not support."""
+    with monkeypatch.context() as patch:
+        patch.setattr(margin_guard, "lean_supported", _never)
+        return fairseq_decision(generator, src, decided)
+
 @pytest.mark.parametrize("overrides", ARCHITECTURES)
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("kernel", [MKL, ONEDNN, NATIVE, "native products", None],
@@ -337,20 +353,21 @@ def test_replayed_decision_is_sequence_generators(model_kind, monkeypatch):
             for steps in range(0, 12, 2):
                 decided = torch.randint(4, len(d), (steps,), generator=g)
                 with torch.no_grad():
-                    monkeypatch.setattr(margin_guard, "_REPLAY", True)
                     replayed, bounded = [], []
                     for one_row in (True, False):  # the one-row steps, the lean step
-                        monkeypatch.setattr(margin_guard, "_ONE_ROW", one_row)
-                        replayed.append(fairseq_decision(generator, src, decided))
-                        # with the teacher-forced pass first, and replayed step by step only
-                        for teacher_forced in (True, False):
-                            monkeypatch.setattr(margin_guard, "_TEACHER_FORCED", teacher_forced)
-                            bounded += [fairseq_decision(generator, src, decided,
-                                                         score_bound=bound)
-                                        for bound in (prefix_score(generator, src, decided)
-                                                      + 1e-3, 1e4)]
-                    monkeypatch.setattr(margin_guard, "_REPLAY", False)
-                    searched = fairseq_decision(generator, src, decided)
+                        with monkeypatch.context() as patch:
+                            if not one_row:
+                                patch.setattr(margin_guard, "one_row_supported", _never)
+                            replayed.append(fairseq_decision(generator, src, decided))
+                            # with the teacher-forced pass first, and replayed step by step only
+                            for teacher_forced in (True, False):
+                                if not teacher_forced:
+                                    patch.setattr(margin_guard, "_teacher_forced_choice", _none)
+                                bounded += [fairseq_decision(generator, src, decided,
+                                                             score_bound=bound)
+                                            for bound in (prefix_score(generator, src, decided)
+                                                          + 1e-3, 1e4)]
+                    searched = _searched(monkeypatch, generator, src, decided)
                 assert replayed == [searched] * 2, (unk_penalty, min_len, steps)
                 assert bounded == [searched] * 8, (unk_penalty, min_len, steps)
         in_one_pass += generator.stats.close_calls_in_one_pass
@@ -488,13 +505,11 @@ def test_a_rows_replays_resume_where_the_last_stopped(monkeypatch):
         replay = margin_guard.RowReplay()
         decided = torch.tensor(tokens[1:], dtype=torch.long)
         # the step-by-step replay's resumption: no teacher-forced pass decides first
-        monkeypatch.setattr(margin_guard, "_TEACHER_FORCED", False)
+        monkeypatch.setattr(margin_guard, "_teacher_forced_choice", _none)
         for steps_decided in (2, 5, 11, 14):
             resumed = fairseq_decision(generator, src, decided[:steps_decided], resume=replay,
                                        score_bound=1e4)
-            monkeypatch.setattr(margin_guard, "_REPLAY", False)
-            searched = fairseq_decision(generator, src, decided[:steps_decided])
-            monkeypatch.setattr(margin_guard, "_REPLAY", True)
+            searched = _searched(monkeypatch, generator, src, decided[:steps_decided])
             assert resumed == searched, steps_decided
         assert replay.steps.fed == tokens[:15]
 

@@ -133,7 +133,9 @@ class FastEncoder:
         enc = self.encoder
         weights = self._prepared()
         padding = src_tokens.eq(enc.padding_idx)
-        has_pads = bool(padding.any())
+        # the real positions, in the one read of the source this encoder makes
+        real = (~padding).view(-1).nonzero().view(-1)
+        has_pads = real.numel() < padding.numel()
         x = None
         if not has_pads and src_tokens.size(0) == 1 and weights.stack is not None:
             x, embedding = self._one_sentence_embedding(weights.stack, src_tokens)
@@ -143,11 +145,8 @@ class FastEncoder:
             x = x * (1 - padding.unsqueeze(-1).type_as(x))
         bsz, length, dim = x.shape
         x = x.reshape(bsz * length, dim)
-        real = None  # the real positions, where the padding is worth leaving out
-        if has_pads:
-            count = int(bsz * length - padding.sum())
-            if count < PACK_BELOW * bsz * length:
-                real = (~padding).view(-1).nonzero().view(-1)
+        if real.numel() >= PACK_BELOW * bsz * length:
+            real = None  # little padding: left in, the products run on every position
         kernel = self.kernels.kernel_for(x.size(0) if real is None else real.numel())
         if weights.stack is not None and self.native_stack and kernel == NATIVE:
             x = weights.stack.encode(x, padding if has_pads else None, bsz, length)

@@ -255,7 +255,7 @@ class DraftVerifyGenerator(StatsGenerator):
         ``encode_rows``) and their drafter state starts; returns their row ids."""
         joining = self._start(sample, None, batch.bos_token, per_row_limits=True,
                               step_and_encoder=(batch.step, self._step_and_encoder()[1]),
-                              encoder_out=encoder_out)
+                              encoder_out=encoder_out, running=batch)
         return batch.absorb(joining)
 
     @torch.no_grad()
@@ -268,7 +268,7 @@ class DraftVerifyGenerator(StatsGenerator):
         return EncodedRows(sample, self.encode(sample["net_input"]), self.src_pad)
 
     def _start(self, sample, prefix_tokens, bos_token, per_row_limits: bool = False,
-               step_and_encoder=None, encoder_out=None) -> Batch:
+               step_and_encoder=None, encoder_out=None, running: Optional[Batch] = None) -> Batch:
         """Encode the batch, start the drafter, and set up the state of every row."""
         self.model.decoder.set_beam_size(1)  # undo a beam generator built earlier on this model
         net_input = sample["net_input"]
@@ -301,6 +301,11 @@ class DraftVerifyGenerator(StatsGenerator):
             refuse_reduced_precision_matmuls(weight.device, weight.dtype)
             if guard is None:
                 warn_unguarded_precision(weight.dtype)
+            elif running is not None and running.margins is not None and running.margins.final:
+                # rows joining a running batch decode with its weights (its step's cache holds
+                # their layouts), on which its margins were measured in full
+                margins = running.margins
+                guard = margins.step
             elif self.margin is None:  # the step's own margin: as measured on this model
                 margins = calibration.margins_for(self.model, step, encode, net_input, bos,
                                                   self.eos, self.src_pad, self.pad, max_len)

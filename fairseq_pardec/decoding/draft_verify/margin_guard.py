@@ -138,7 +138,7 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
     model, decoder = generator.model, generator.model.decoder
     steps = decided.numel()
     # SequenceGenerator's length limit for this search: step `steps` must lie below it
-    if not _REPLAY or not lean_supported(decoder) or steps + 1 > generator.max_len - 1:
+    if not lean_supported(decoder) or steps + 1 > generator.max_len - 1:
         return None
     if resume is not None and resume.encoder_out is not None:
         encoder_out = resume.encoder_out
@@ -164,7 +164,7 @@ def _replayed_decision(generator, sample, decided: Tensor, bos_token: Optional[i
         return lprobs
 
     # one pass over the whole prefix first, certain where its lead beats its own margin
-    if score_bound is not None and _TEACHER_FORCED:
+    if score_bound is not None:
         certain = _teacher_forced_choice(decoder, encoder_out, tokens, decision_log_probs,
                                          score_bound, margins)
         if certain is not None:
@@ -249,7 +249,7 @@ def _fairseq_features(decoder, encoder_out, tokens, features_of_all: bool,
     ``features_of_all``. :class:`OneRowSteps` where it covers the decoder (from where the row's
     last replay stopped, with ``resume``), else the lean step. Returns the features and the
     :class:`OneRowSteps` that computed them (None: the lean step did)."""
-    if _ONE_ROW and one_row_supported(decoder):
+    if one_row_supported(decoder):
         steps = resume.steps if resume is not None else None
         if steps is None:
             steps = OneRowSteps(decoder, encoder_out)
@@ -278,11 +278,3 @@ def _choice(lprobs: Tensor, score: np.float32) -> int:
     values, indices = lprobs.topk(2, dim=-1)
     first, second = values[0].tolist()
     return beam_one(lprobs, 0, int(indices[0, 0]), first, second, score)[0]
-
-
-# False runs every decision through SequenceGenerator (tests compare the two)
-_REPLAY = True
-# False replays with the lean step where OneRowSteps would (tests compare the two)
-_ONE_ROW = True
-# False replays every close call step by step, without the teacher-forced pass first (tests)
-_TEACHER_FORCED = True

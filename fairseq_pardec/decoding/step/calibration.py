@@ -18,6 +18,7 @@ kept on disk: a file would have to be keyed by the weights' bytes, whose hash co
 much as the measurement, and by the CPU's kernels, which round differently per machine.
 """
 
+import dataclasses
 import logging
 import threading
 from typing import Optional
@@ -115,5 +116,7 @@ def _measure_more(measured: _Measured, model, step, encode, net_input, bos, eos,
                                spreads["block"].largest)
     if "pass" in spreads:
         measured.pass_spread = max(measured.pass_spread or 0.0, spreads["pass"].largest)
-    measured.in_force = margins_in_force(step.margin, pass_floor, measured.step_spread,
-                                         measured.pass_spread, measured.positions)
+    measured.in_force = dataclasses.replace(
+        margins_in_force(step.margin, pass_floor, measured.step_spread, measured.pass_spread,
+                         measured.positions),
+        final=measured.rows >= ROWS)

@@ -179,13 +179,15 @@ class MarginsInForce:
     ``step``: the guard's bound on the step's log-probabilities; ``teacher_forced``: the
     teacher-forced pass's, None where every close call is replayed step by step;
     ``step_spread`` / ``pass_spread``: what was measured on the model (None: not measured),
-    over ``positions`` positions."""
+    over ``positions`` positions; ``final``: every row the measurement takes was measured, so
+    these margins hold for as long as the weights do."""
 
     step: float
     teacher_forced: Optional[float]
     step_spread: Optional[float] = None
     pass_spread: Optional[float] = None
     positions: int = 0
+    final: bool = False
 
     def describe(self) -> str:
         """``margin 5.0e-04 (measured 2.1e-05), pass 2.3e-04 (measured 2.3e-05)``"""
