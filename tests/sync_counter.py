@@ -248,7 +248,7 @@ class _DispatchMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def per_iteration(counter: SyncCounter, generator):
+def per_iteration(counter: SyncCounter, generator, monkeypatch):
     """Hook ``generator`` (a DraftVerifyGenerator) so that ``counter`` records the count of each
     engine iteration: returns ``(iterations, batches)``, lists filled as ``generate`` runs, of
     the counts per iteration (from one draft step to the next, or to the end of the batch) and
@@ -266,7 +266,9 @@ def per_iteration(counter: SyncCounter, generator):
             iterations.append(counter.total - state["start"])
             state["in_iteration"] = False
 
-    choose, draft, verify = generator._step_and_encoder, generator._draft, generator._verify
+    from fairseq_pardec.decoding.draft_verify import iteration
+
+    choose, draft, verify = generator._step_and_encoder, iteration.draft, iteration.verify
     generate = generator._generate
 
     @functools.wraps(generate)
@@ -291,17 +293,20 @@ def per_iteration(counter: SyncCounter, generator):
         return step, encode_marked
 
     @functools.wraps(draft)
-    def _draft(batch):
-        close_iteration()
-        state["start"], state["in_iteration"] = counter.total, True
-        return draft(batch)
+    def _draft(of, batch):
+        if of is generator:
+            close_iteration()
+            state["start"], state["in_iteration"] = counter.total, True
+        return draft(of, batch)
 
     @functools.wraps(verify)
-    def _verify(batch, block):
-        out = verify(batch, block)
-        counter.mark(out)
+    def _verify(of, batch, block):
+        out = verify(of, batch, block)
+        if of is generator:
+            counter.mark(out)
         return out
 
     generator._generate, generator._step_and_encoder = _generate, _step_and_encoder
-    generator._draft, generator._verify = _draft, _verify
+    monkeypatch.setattr(iteration, "draft", _draft)
+    monkeypatch.setattr(iteration, "verify", _verify)
     return iterations, batches

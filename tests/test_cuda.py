@@ -230,13 +230,13 @@ def test_a_call_never_reads_the_device():
         with torch.no_grad():
             state = step.new_state()
             for _ in range(3):  # the first call starts the batch and records the graph
-                step.log_probs(step.forward_packed(block, start, layout, enc, state))
+                step.log_probs(step.forward_packed(block, start, layout, enc, state), state=state)
                 step.rollback(state, 4, keep, keep_range=(1, 1))
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
                 for _ in range(3):
-                    step.log_probs(step.forward_packed(block, start, layout, enc, state))
+                    step.log_probs(step.forward_packed(block, start, layout, enc, state), state=state)
                     step.rollback(state, 4, keep, keep_range=(1, 1))
             finally:
                 torch.cuda.set_sync_debug_mode("default")

@@ -82,7 +82,7 @@ def test_cuda_steps_stay_within_the_margin(batch_size):
                 features = step.forward_packed(block, torch.full((batch_size,), start,
                                                                  device="cuda"),
                                                layout, encoder_out, state)
-                got.append(layout.unpack(step.log_probs(features)))
+                got.append(layout.unpack(step.log_probs(features, state=state)))
             got = torch.cat(got, dim=1)
             worst[(name, width)] = float((got - expected).abs().max())
     print("CUDA |log-prob - fairseq's| at batch %d:" % batch_size, worst)

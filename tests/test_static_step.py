@@ -231,8 +231,9 @@ def test_scores_in_the_call():
         state = step.new_state()
         features = step.forward_packed(block, torch.zeros(3, dtype=torch.long), layout, enc, state)
         assert features.size(0) == int((~pad).sum())
-        in_call = step.log_probs(features)
-        again = step.log_probs(features)  # not the call's any more: computed from the features
+        in_call = step.log_probs(features, state=state)
+        # not the call's any more: computed from the features
+        again = step.log_probs(features, state=state)
         assert torch.allclose(in_call, again, rtol=0, atol=1e-6)
         step.rollback(state, 4, torch.zeros(3, dtype=torch.long))
         step.forward_packed(block, torch.zeros(3, dtype=torch.long), layout, enc, state)
@@ -240,7 +241,7 @@ def test_scores_in_the_call():
         assert step.scores_in_call
         features = step.forward_packed(block, torch.zeros(3, dtype=torch.long), layout, enc, state)
         assert not step.scores_in_call  # the previous call's were never read
-        assert torch.allclose(step.log_probs(features), in_call, rtol=0, atol=1e-6)
+        assert torch.allclose(step.log_probs(features, state=state), in_call, rtol=0, atol=1e-6)
         assert step.scores_in_call  # read again: computed in the calls again
 
 

@@ -48,8 +48,8 @@ def nudge(step, twins, amount=NUDGE):
     error within its margin that flips every such choice)."""
     log_probs = step.log_probs
 
-    def nudged(features, temperature=1.0):
-        lprobs = log_probs(features, temperature)
+    def nudged(features, temperature=1.0, state=None):
+        lprobs = log_probs(features, temperature, state)
         lprobs[..., twins.to(lprobs.device)] += amount
         return lprobs
 

@@ -73,7 +73,7 @@ def _counted(generator, model, samples, monkeypatch):
     monkeypatch.setattr(decisions, "fairseq_decision",
                         counter.counted_once(decisions.fairseq_decision))
     _margins_measured_beforehand(generator, model, samples[0])
-    iterations, batches = per_iteration(counter, generator)
+    iterations, batches = per_iteration(counter, generator, monkeypatch)
     for sample in samples:
         expected = by_id(sample, fairseq_greedy(model, generator.tgt_dict, sample, **LIMITS))
         with counter:

@@ -125,7 +125,7 @@ def step_costs(model, sample, prefix: int = 16, repeats: int = 20,
 
             def block_step():
                 features = engine.forward_packed(block, at, layout, encoder_out, cache)
-                engine.log_probs(features)
+                engine.log_probs(features, state=cache)
                 engine.rollback(cache, length, reject, keep_range=(0, 0))
 
             costs["block %d" % length] = median_ms(block_step, repeats, device)

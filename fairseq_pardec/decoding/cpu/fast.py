@@ -34,7 +34,6 @@ on the CPU; elsewhere the engine uses the lean step.
 """
 
 import math
-import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
-from fairseq_pardec.decoding.step.block_decoder import keep_bounds
+from fairseq_pardec.decoding.step.block_decoder import keep_bounds, normalised
 from fairseq_pardec.decoding.cpu.layer_stack import NativeLayerStack
 from fairseq_pardec.decoding.step.lean import (LeanBlockDecoder, join_sources, joined_padding,
                                                lean_supported)
@@ -188,9 +187,6 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tenso
     return torch.matmul(weights.softmax(dim=-1), v)
 
 
-# what a batch's logits run when the decoder's own output layer must (not a plain projection)
-_OWN_OUTPUT_LAYER = object()
-
 
 class _Weights:
     """The weights in the fast layouts, built together and never changed afterwards: the
@@ -232,7 +228,6 @@ class FastBlockDecoder(LeanBlockDecoder):
         # (set by forward_packed, read by logits) and the one its latest logits came from
         # (read by scores_kernel); per thread, so that threads sharing this step each read
         # their own batch's
-        self._thread = threading.local()
         # the layers as one native call, where native/layers.c computes them (cpu/layer_stack.py)
         self.native_stack = True
 
@@ -320,30 +315,37 @@ class FastBlockDecoder(LeanBlockDecoder):
         self.kernels.pin(kernel)
         self.projection_kernels.pin(kernel)
 
-    def logits(self, features: Tensor) -> Tensor:
+    def logits(self, features: Tensor, vocab=None) -> Tensor:
         """The output layer, on the kernel measured fastest for the projection at this many
-        rows (an output layer replaced after this step was built is honoured)."""
-        thread = self._thread
-        # the projection this thread's batch started with (weights do not change within one)
-        vocab = getattr(thread, "vocab", None)
-        if vocab is None:  # no batch started in this thread
+        rows (an output layer replaced after this step was built is honoured). ``vocab``: the
+        projection a batch started with (``FastCache.weights``), else the current one."""
+        if vocab is None:
             vocab = self._prepared().vocab
-        elif vocab is _OWN_OUTPUT_LAYER:
-            vocab = None
         if vocab is None or features.dim() != 2 or features.dtype != torch.float32:
-            thread.projected_by = None
             return super().logits(features)
-        thread.projected_by = vocab
         return vocab(features, self.projection_kernels.kernel_for(features.size(0)))
 
-    def scores_kernel(self):
-        """The native kernel for the best two scores per position (native/scores.c) of this
-        thread's latest :meth:`logits`, or None (that projection was not this step's own, there
-        is no native kernel, or the products are pinned to a library kernel)."""
-        vocab = getattr(self._thread, "projected_by", None)
-        if vocab is None or self.projection_kernels.pinned_to_library():
+    def log_probs(self, features: Tensor, temperature: float = 1.0,
+                  state: Optional[FastCache] = None) -> Tensor:
+        """fairseq's log-probabilities of ``features``; with the ``state`` they came from,
+        through the projection its batch started with (weights do not change within one)."""
+        weights = state.weights if state is not None else None
+        if weights is not None and weights.vocab is None:  # the decoder's own output layer
+            return normalised(super().logits(features), temperature)
+        return normalised(self.logits(features, None if weights is None else weights.vocab),
+                          temperature)
+
+    def scores_kernel(self, state: Optional[FastCache] = None):
+        """The native kernel for the best two scores per position (native/scores.c) of
+        ``log_probs`` on ``state`` (without one: on a batch starting now), or None (a
+        projection not this step's own, no native kernel, or products pinned to a library
+        kernel)."""
+        weights = state.weights if state is not None else None
+        if weights is None:
+            weights = self._prepared()
+        if weights.vocab is None or self.projection_kernels.pinned_to_library():
             return None
-        return vocab.native
+        return weights.vocab.native
 
     # ------------------------------------------------------------------ forward
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
@@ -448,7 +450,6 @@ class FastBlockDecoder(LeanBlockDecoder):
             self._start(cache, encoder_out, bsz, tokens.device, dec.embed_tokens.weight.dtype)
         # the weights are checked once per batch, when it starts
         weights = cache.weights
-        self._thread.vocab = _OWN_OUTPUT_LAYER if weights.vocab is None else weights.vocab
         layers = weights.layers
         first = cache.length
         total = first + length

@@ -264,10 +264,14 @@ class StaticCache:
         self.block_len = 0
         self.block_pad: Optional[Tensor] = None
         self.reserved = 0  # entries per row asked for before the batch started (reserve)
+        # the latest call's in-call scores until log_probs reads them, and the temperature
+        # the calls compute them at
+        self.scores: Optional["_Scores"] = None
+        self.temperature = 1.0
 
 
 class _Scores:
-    """The scores of a step's latest call, until the caller reads them (per thread)."""
+    """The scores of a call on a cache, until the caller reads them."""
 
     def __init__(self, features, lprobs, index, temperature):
         self.features, self.lprobs, self.index = features, lprobs, index
@@ -305,7 +309,6 @@ class StaticBlockDecoder(LeanBlockDecoder):
         self._weights_fingerprint: Optional[WeightsKey] = None
         self._pool = SlotPool(budget)
         self._lock = threading.Lock()
-        self._local = threading.local()
         self._dense_index: Dict[tuple, Tensor] = {}
         # whether the calls compute the log-probabilities: a caller that never reads them
         # (a drafter reading its own slots' logits) stops paying for them after one call
@@ -463,11 +466,11 @@ class StaticBlockDecoder(LeanBlockDecoder):
             block = slot.block(width, self.padding_idx)
             self._fill(block, tokens, start, layout.block_pad, steps, block_mask)
             explicit = steps is not None
-            pending = getattr(self._local, "scores", None)
+            pending = cache.scores
             if pending is not None and pending.lprobs is not None:
                 self.scores_in_call = False  # the previous call's scores were never read
             scores = self.scores_in_call and not cache_only
-            temperature = float(getattr(self._local, "temperature", 1.0))
+            temperature = cache.temperature
             if scores and slot.temperature_value != temperature:
                 slot.temperature.fill_(temperature)
                 slot.temperature_value = temperature
@@ -483,12 +486,11 @@ class StaticBlockDecoder(LeanBlockDecoder):
             cache.block_pad = layout.block_pad
             cache.bound += length
             if cache_only:
-                self._local.scores = None
+                cache.scores = None
                 return None
             index = self._pack_index(layout, bsz, length, slot.rows)
             features = outputs[0].index_select(0, index)
-            self._local.scores = _Scores(features, outputs[1] if scores else None, index,
-                                         temperature)
+            cache.scores = _Scores(features, outputs[1] if scores else None, index, temperature)
         return features
 
     def _fill(self, block: _Block, tokens, start, block_pad, steps, block_mask):
@@ -634,10 +636,11 @@ class StaticBlockDecoder(LeanBlockDecoder):
         return features, F.log_softmax(logits.float(), dim=-1)
 
     # ------------------------------------------------------------------ scores
-    def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
-        """The log-probabilities of ``features``: those computed inside the call that returned
-        them, else computed here."""
-        pending = getattr(self._local, "scores", None)
+    def log_probs(self, features: Tensor, temperature: float = 1.0,
+                  state: Optional[StaticCache] = None) -> Tensor:
+        """The log-probabilities of ``features``: those computed inside the call on ``state``
+        that returned them, else computed here."""
+        pending = state.scores if state is not None else None
         if pending is not None and pending.features is features:
             computed = pending.lprobs
             pending.lprobs = None  # read: the caller may edit it in place
@@ -645,7 +648,7 @@ class StaticBlockDecoder(LeanBlockDecoder):
                 return computed.index_select(0, pending.index)
             # the next calls compute them (at this temperature) again
             self.scores_in_call = True
-            self._local.temperature = temperature
+            state.temperature = temperature
         return super().log_probs(features, temperature)
 
     # ------------------------------------------------------------------ cache surgery

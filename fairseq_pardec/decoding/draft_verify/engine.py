@@ -2,7 +2,7 @@
 
 Per active row the engine keeps the accepted tokens (after BOS), their cumulative scores and the
 verifier's KV cache, which holds the keys/values of BOS and every accepted token but the last.
-One iteration:
+One iteration (iteration.py, read top to bottom):
 
 1. *draft*: the drafter proposes up to ``max_len - n_out`` tokens per row (ragged);
 2. *verify*: one decoder call over [last accepted token, draft] on top of the cache gives the
@@ -11,6 +11,9 @@ One iteration:
    at the first rejected position (each iteration gains >= 1 token), up to the first EOS;
 4. *commit and roll back*: the cache keeps the kept block positions only; rows that emitted EOS
    leave the batch.
+
+This module holds the generator: what it is built with, the decoder step and encoder it
+chooses per batch, the margins in force, and its batches' start, joins and leaves.
 
 The per-step edits are fairseq ``SequenceGenerator``'s (fairseq_rules.block_edits), and so is the
 length limit (``--max-len-a/b`` and the padded source length of the batch).
@@ -56,19 +59,18 @@ from torch import Tensor
 
 from fairseq_pardec.errors import UsageError
 
-from fairseq_pardec.decoding.fairseq_rules import SearchRules, block_edits
+from fairseq_pardec.decoding.fairseq_rules import SearchRules
 from fairseq_pardec.decoding.step import calibration
 from fairseq_pardec.decoding.step.margins import (refuse_reduced_precision_matmuls,
                                                   warn_unguarded_precision)
-from fairseq_pardec.decoding.draft_verify.decisions import decide, read_positions, sampled
 from fairseq_pardec.decoding.draft_verify.speculative import SamplingFilter, SpeculativeSampler
-from fairseq_pardec.decoding.draft_verify.drafters.base import DraftOutcome, Drafter, DraftView
+from fairseq_pardec.decoding.draft_verify import iteration
 from fairseq_pardec.decoding.options import (build_through_fairseq, refuse_unknown_arguments, sampling_of,
                                  set_output_symbols)
 from fairseq_pardec.decoding.step_factory import StepChoice
 from fairseq_pardec.decoding.step.interface import DecoderStep
 from fairseq_pardec.decoding.decode_stats import DecodeStats, StatsGenerator
-from fairseq_pardec.decoding.draft_verify.batch_state import Batch, Block, BlockShapes, to_device
+from fairseq_pardec.decoding.draft_verify.batch_state import Batch, BlockShapes
 from fairseq_pardec.decoding.draft_verify.encoded_rows import EncodedRows, encodes_ahead
 
 
@@ -207,27 +209,15 @@ class DraftVerifyGenerator(StatsGenerator):
     def _generate(self, sample, prefix_tokens=None, bos_token=None, **unused):
         batch = self._start(sample, prefix_tokens, bos_token)
         while batch.rows_host:
-            self._iterate(batch)
+            iteration.iterate(self, batch)
         return batch.finalized
 
     @torch.no_grad()
     def iterate(self, batch: Batch) -> List[int]:
-        """One iteration of every active row: draft, verify, decide, commit; returns the ids
-        of the rows that finished (their hypotheses are in ``batch.finalized``) and left."""
-        return self._iterate(batch)
-
-    def _iterate(self, batch: Batch) -> List[int]:
-        block = self._draft(batch)
-        features, lprobs, forced, native = self._verify(batch, block)
-        # 3. what each row keeps: decided on the host from one read of the device
-        if self.sampler is not None:
-            n_acc, grid = self.sampler.decide(lprobs, forced, block)
-            outcome = sampled(self, batch, block, lprobs, n_acc, grid)
-        else:
-            reading = read_positions(self, batch, block, lprobs, forced, native)
-            outcome = decide(self, batch, block, reading, lprobs, batch.bos_token)
-        self._commit(batch, block, features, outcome)
-        return self._retire(batch, outcome)
+        """One iteration of every active row (iteration.py): draft, verify, decide, commit;
+        returns the ids of the rows that finished (their hypotheses are in
+        ``batch.finalized``) and left."""
+        return iteration.iterate(self, batch)
 
     # ------------------------------------------------------------------ a running batch
     def joins_rows(self) -> bool:
@@ -320,130 +310,6 @@ class DraftVerifyGenerator(StatsGenerator):
         with batch.drafter_timer:
             batch.drafts = self.drafter.start(sample, batch.encoder_out, bos, batch.schedule)
         return batch
-
-    def _draft(self, batch: Batch) -> Block:
-        """1. Up to the room left before EOS is forced, the drafter's tokens for every row
-        (a row inside its --prefix-size prefix drafts the prefix)."""
-        drafter, state, schedule = self.drafter, batch.drafts, batch.schedule
-        if batch.prefix is None or batch.prefix.size(1) == 0:
-            # a drafter is not asked where its schedule knows that no row drafts now (one that
-            # never drafts, a quiet spell, every row waiting in the back-off)
-            if not schedule.drafts_now(len(batch.rows_host), batch.iteration):
-                return Block.last_tokens(batch, self.pad, proposed=False)
-        # the room before EOS is forced, less what the back-off withholds
-        room = schedule.room(batch.room(), batch.iteration)
-        with batch.drafter_timer:
-            drafts = self._propose(batch, room)
-        q = state.draft_probs if self.sampler is not None else None
-        drafts, q = batch.prefix_drafts(drafts, q)
-        if not any(drafts) and q is None:  # no row drafted: a plain step
-            return Block.last_tokens(batch, self.pad)
-        return Block.from_lists(batch, drafts, self.pad, q)
-
-    def _propose(self, batch: Batch, room: List[int]) -> List[List[int]]:
-        """The drafter's drafts as lists, from the host's tables and lists; a drafter model
-        gets the engine's device copies of what it asks for, and its drafts are read by the
-        engine's read."""
-        device = batch.device
-        view = DraftView(batch.rows_host, batch.n_out_np.tolist(), room, batch.tokens, device,
-                         batch.longest, copy=lambda host: to_device(host, device),
-                         read=self.read, rows_on_device=batch.rows,
-                         n_out_on_device=batch.n_out)
-        return self.drafter.propose(batch.drafts, view)
-
-    def _verify(self, batch: Batch, block: Block):
-        """2. One decoder call over every row's [last accepted token, draft]; the position-wise
-        work runs on the block's real positions only. Returns the features, the (N, V) packed
-        log-probabilities after fairseq's per-step edits, the forced tokens (or None), and the
-        native kernel whose read makes the token edits (or None: they are made)."""
-        with batch.verifier_timer:
-            step = batch.step
-            encoder_out = batch.encoder_out if step.reads_encoder_out(batch.cache) else None
-            features = step.forward_packed(block.tokens, batch.n_out, block.layout, encoder_out,
-                                           batch.cache)
-            lprobs = step.log_probs(features, self.temperature)
-        if block.width > 0:
-            # cache entries computed at a block's shapes: later plain steps no longer round as
-            # fairseq's own steps do (step/margins.py)
-            batch.exact_so_far = False
-        self.stats.decoder_calls += 1
-        self.stats.row_iterations += block.rows
-        self.stats.positions_verified += lprobs.size(0)
-        prefix = batch.forcing_prefix()
-        # on the CPU the native read of the best two makes fairseq's token edits in its pass
-        # (decisions.read_positions), where nothing else reads the log-probabilities first
-        native = None
-        if (self.sampler is None and prefix is None and lprobs.dtype == torch.float32
-                and lprobs.is_contiguous()
-                and (self.acceptance.lossless or block.width == 0)):
-            native = step.scores_kernel()
-        bar_eos_possible = batch.iteration < batch.bar_eos_until
-        # known on the host, with no read of the device
-        at_max_possible = batch.reaches_limit(block.width)
-        forced = None
-        if native is None or bar_eos_possible or at_max_possible:  # else nothing to edit here
-            forced = block_edits(lprobs, lambda: batch.n_out.unsqueeze(1) + block.cols,
-                                 block.layout, self.rules, batch.row_limits(), prefix,
-                                 bar_eos_possible=bar_eos_possible,
-                                 at_max_possible=at_max_possible, token_edits=native is None)
-        batch.iteration += 1
-        return features, lprobs, forced, native
-
-    def _commit(self, batch: Batch, block: Block, features: Tensor, outcome):
-        """4. With each row's new tokens, scores and length in the host's tables (the decisions
-        wrote them), queue the lengths for the device, show the drafter the outcome, and roll
-        the cache back to the kept positions."""
-        batch.lengths_to_device()
-        if block.width == 0:  # a plain step: every row keeps its one position
-            fewest = most = 1
-        else:
-            gained = outcome.gained.tolist()  # a few rows: lists reduce faster than numpy
-            fewest, most = min(gained), max(gained)
-            batch.schedule.backed_off(block.lengths, outcome.accepted, batch.iteration - 1)
-        if block.proposed and type(self.drafter).observe is not Drafter.observe:
-            self._observe(batch, features, outcome)
-        if fewest == most:  # every row keeps as many entries: one tensor per count, kept
-            kept = batch.uniform_gains(most)
-        else:
-            kept = to_device(torch.from_numpy(outcome.gained), batch.device)
-        batch.step.rollback(batch.cache, block.width + 1, kept, keep_range=(fewest, most))
-
-    def _observe(self, batch: Batch, features: Tensor, outcome):
-        """Show the drafter what each row kept of its draft (the accepted draft tokens, not
-        the gained ones less the verifier's own: a draft accepted up to its EOS gains no token
-        of the verifier's); where it asks, the verifier's features after each row's last kept
-        token and that token (blockwise decoding's proposal heads: merged invocation)."""
-        device = batch.device
-        last_pos, last = outcome.last_pos, batch.last
-
-        def features_at_last() -> Tensor:
-            return features.index_select(0, to_device(torch.from_numpy(last_pos), device))
-
-        def newest() -> Tensor:
-            return to_device(torch.from_numpy(last), device)
-
-        seen = DraftOutcome(batch.rows_host, outcome.accepted.tolist(), device,
-                            features=features_at_last, newest=newest,
-                            copy=lambda host: to_device(host, device), rows_on_device=batch.rows)
-        with batch.drafter_timer:
-            self.drafter.observe(batch.drafts, seen)
-
-    def _retire(self, batch: Batch, outcome) -> List[int]:
-        """5. Finalize the rows that emitted EOS and drop them; returns their ids."""
-        finished = []
-        if outcome.ended_rows:
-            ended = outcome.ended
-            for r in np.flatnonzero(ended).tolist():
-                row = batch.rows_host[r]
-                batch.finalized[row] = [batch.hypothesis(r)]
-                finished.append(row)
-            alive = np.flatnonzero(ended == 0).tolist()
-            if not alive:  # the batch is done: nothing to reorder
-                batch.rows_host = []
-                return finished
-            batch.keep(alive)
-        batch.step.compact(batch.cache, self.compact_holes)
-        return finished
 
     def leave(self, batch: Batch, ids: List[int]):
         """Rows ``ids`` leave the running ``batch`` unfinished (their requests were cancelled);

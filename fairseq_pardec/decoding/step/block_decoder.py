@@ -115,7 +115,7 @@ class BlockDecoder:
         weight = self.decoder.embed_tokens.weight
         return rounding_margin(weight.device, weight.dtype)
 
-    def scores_kernel(self):
+    def scores_kernel(self, state=None):
         """No native kernel reads this step's scores: the engine reads them with ``topk``."""
         return None
 
@@ -187,12 +187,10 @@ class BlockDecoder:
         """The decoder's output layer."""
         return self.decoder.output_layer(features)
 
-    def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
-        """(..., d) features -> (..., V) float32 log-probabilities, as fairseq normalises them."""
-        logits = self.logits(features)
-        if temperature != 1.0:
-            logits = logits.div_(temperature)
-        return F.log_softmax(logits.float(), dim=-1)
+    def log_probs(self, features: Tensor, temperature: float = 1.0, state=None) -> Tensor:
+        """(..., d) features -> (..., V) float32 log-probabilities, as fairseq normalises them
+        (``state``: see the Protocol, step/interface.py; not needed here)."""
+        return normalised(self.logits(features), temperature)
 
     # ------------------------------------------------------------------ cache surgery
     def _buffers(self, incremental_state):
@@ -263,3 +261,11 @@ class BlockDecoder:
     def reorder(self, incremental_state: IncrementalState, new_order: Tensor):
         """Keep (and reorder) batch rows; used when finished rows leave the batch."""
         self.decoder.reorder_incremental_state_scripting(incremental_state, new_order)
+
+
+def normalised(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """fairseq's log-probabilities of ``logits`` at ``temperature``, in float32 (``logits`` may
+    be divided in place)."""
+    if temperature != 1.0:
+        logits = logits.div_(temperature)
+    return F.log_softmax(logits.float(), dim=-1)

@@ -66,12 +66,16 @@ class DecoderStep(Protocol):
         features at the block's real positions, packed as ``layout`` says; the block's keys and
         values are appended to ``state``."""
 
-    def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
-        """(..., d) features -> (..., V) float32 log-probabilities, as fairseq normalises them."""
+    def log_probs(self, features: Tensor, temperature: float = 1.0, state: Any = None) -> Tensor:
+        """(..., d) features -> (..., V) float32 log-probabilities, as fairseq normalises them.
+        ``state``: the cache of the ``forward_packed`` call that returned ``features``, where
+        the caller has it: the step may have computed their scores in that call, or holds
+        there the output projection the batch started with."""
 
-    def scores_kernel(self) -> Optional[BestTwoKernel]:
-        """The native kernel for the two best scores per position of this thread's latest
-        ``log_probs``; None where there is none (read them with ``topk``)."""
+    def scores_kernel(self, state: Any = None) -> Optional[BestTwoKernel]:
+        """The native kernel for the two best scores per position of the float32 (N, V)
+        ``log_probs(features, temperature, state)`` of a call on ``state``; None where there
+        is none (read them with ``topk``)."""
 
     def rollback(self, state: Any, block_len: int, keep: Tensor,
                  keep_range: Optional[Tuple[int, int]] = None) -> None:

@@ -125,7 +125,8 @@ def _one_position_calls(step, encoder_out, paths: List[List[int]], length: int,
     for t in range(length):
         column = torch.tensor([[p[t]] for p in paths], device=device)
         start = torch.full((bsz,), t, dtype=torch.long, device=device)
-        out.append(step.log_probs(step.forward_packed(column, start, dense, encoder_out, cache)))
+        features = step.forward_packed(column, start, dense, encoder_out, cache)
+        out.append(step.log_probs(features, state=cache))
     return torch.stack(out, dim=1)
 
 
@@ -133,9 +134,10 @@ def _one_block(step, encoder_out, path: List[int], device) -> Tensor:
     """(T, V) log-probabilities of ``step`` over ``path`` as one block at batch 1."""
     cache = step.new_state(max_len=len(path) + 2)
     block = BlockLayout(torch.zeros(1, len(path), dtype=torch.bool, device=device), dense=True)
-    return step.log_probs(step.forward_packed(torch.tensor([path], device=device),
-                                              torch.zeros(1, dtype=torch.long, device=device),
-                                              block, encoder_out, cache))
+    features = step.forward_packed(torch.tensor([path], device=device),
+                                   torch.zeros(1, dtype=torch.long, device=device), block,
+                                   encoder_out, cache)
+    return step.log_probs(features, state=cache)
 
 
 @torch.no_grad()
