@@ -255,6 +255,7 @@ def test_sigterm_drains_answers_every_accepted_request_and_exits_0(cli_data, sto
     (["--max-texts", 10, "--max-pending-rows", 5], "--max-texts 10 is more than --max-pending-rows 5"),
     (["--batch-size", 0], "--batch-size"),
     (["--request-timeout", 0], "--request-timeout must be > 0"),
+    (["--prepare-rows", -1], "--prepare-rows must be >= 0"),
 ])
 def test_bad_options_are_one_line(cli_data, stock_checkpoint, flags, needle):
     _, data = cli_data

@@ -5,6 +5,7 @@ Open-loop Poisson arrivals (a fixed seed) at each rate of a sweep, one text a re
 each variant in turn, alone on the machine:
 
 * ``join``: fairseq-pardec-serve as it is (rows join the running batch at its next iteration);
+* ``join-each``: the same with ``--prepare-rows 0`` (each waiting text encoded as it joins);
 * ``rounds``: the same server with rows joining between rounds (``--batching rounds``);
 * ``buffer``: the same server batching per request (``--batching buffer``: up to --batch-size
   rows or --buffer-ms, then that batch to its end), as TorchServe and CTranslate2's buffer do;
@@ -45,7 +46,7 @@ from fairseq_pardec.errors import UsageError, exit_in_one_line
 
 PLUGIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY = re.compile(r"fairseq-pardec-serve: ready at (http://\S+/)")
-VARIANTS = ("join", "rounds", "buffer", "ct2", "hub", "url")
+VARIANTS = ("join", "join-each", "rounds", "buffer", "ct2", "hub", "url")
 START_TIMEOUT_S = 600
 
 
@@ -176,6 +177,9 @@ def start(variant, server_args, options, log_dir):
     if variant in ("join", "rounds"):
         return StartedServer("fairseq_pardec.serve", server_args, ["--batching", variant],
                              options.threads, log)
+    if variant == "join-each":
+        return StartedServer("fairseq_pardec.serve", server_args,
+                             ["--batching", "join", "--prepare-rows", "0"], options.threads, log)
     if variant == "buffer":
         return StartedServer("fairseq_pardec.serve", server_args,
                              ["--batching", "buffer", "--batch-wait-ms", str(options.buffer_ms)],
