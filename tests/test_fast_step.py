@@ -486,13 +486,13 @@ def test_a_rows_replays_resume_where_the_last_stopped(monkeypatch):
         cut.run(tokens[:5])
         calls = []
 
-        def failing(*args, **kwargs):
+        def failing(*args, **kwargs):  # a run cut short between two of its steps
             calls.append(1)
             if len(calls) == 2:
                 raise RuntimeError("interrupted")
-            return OneRowSteps._layers(cut, *args, **kwargs)
+            return OneRowSteps._keys_values(*args, **kwargs)
 
-        monkeypatch.setattr(cut, "_layers", failing)
+        monkeypatch.setattr(cut, "_keys_values", failing)
         with pytest.raises(RuntimeError):
             cut.run(tokens[:9])
         monkeypatch.undo()

@@ -144,7 +144,7 @@ class OneRowSteps:
             table, scale = decoder.embed_tokens.weight, decoder.embed_scale
             positions = position_embeddings(
                 decoder, torch.arange(offset + first, offset + len(tokens), device=device))
-        features = []
+        inputs = []
         for t in range(first, len(tokens)):
             if plain:  # embed_at's operations on one token
                 x = scale * F.embedding(steps[t - first], table)
@@ -153,12 +153,10 @@ class OneRowSteps:
             else:
                 x = embed_at(decoder, steps[t - first],
                              torch.full((1, 1), t + offset, device=device))
-            x = self._layers(x.transpose(0, 1), t, cache_only=t + 1 < len(tokens)
-                             and not features_of_all)
-            if x is not None:
-                features.append(self._features(x))
+            inputs.append(x.transpose(0, 1))
+        outputs = self._layers(inputs, first, features_of_all)
         self.fed = list(tokens)
-        return features
+        return [self._features(x) for x in outputs]
 
     def features_of_fed(self) -> List[Tensor]:
         """The decoder's features (1, d) after each token the cache holds, bit for bit what
@@ -200,21 +198,34 @@ class OneRowSteps:
         v = F.linear(x, *layer.v).view(-1, layer.heads, layer.head_dim).transpose(0, 1)
         return k, v
 
-    def _layers(self, x: Tensor, t: int, cache_only: bool) -> Optional[Tensor]:
+    def _layers(self, inputs: List[Tensor], first: int, features_of_all: bool) -> List[Tensor]:
+        """The layers over the steps ``first, first + 1, ...`` whose inputs (1, 1, d) are
+        ``inputs``: the outputs after every step with ``features_of_all``, else after the
+        last alone (the last layer's query, attention and feed-forward skipped before it).
+
+        Layer by layer, each over every step, where fairseq runs step by step through every
+        layer: each step's operations are the same, on the same shapes and inputs (a layer's
+        step reads the layer below at that step and its own cache of the steps before), so the
+        results are bit for bit fairseq's, while a layer's weights stay in the processor's
+        caches across the steps instead of being read from memory at every step (what that
+        saves: docs/results.md, "The close calls' replay, layer by layer")."""
         last = len(self.layers) - 1
+        xs = list(inputs)
         for i, layer in enumerate(self.layers):
-            if i == last:
-                self.last_inputs.append(x)
-            residual = x
-            if layer.before:
-                x = layer.norm1(x)
-            k, v = self._keys_values(layer, x)
-            k = self.keys[i] = self._grown(self.keys[i], k, t)
-            v = self.values[i] = self._grown(self.values[i], v, t)
-            if cache_only and i == last:
-                return None
-            x = self._rest_of_layer(i, layer, residual, x, k, v)
-        return x
+            for j, x in enumerate(xs):
+                t = first + j
+                if i == last:
+                    self.last_inputs.append(x)
+                residual = x
+                if layer.before:
+                    x = layer.norm1(x)
+                k, v = self._keys_values(layer, x)
+                k = self.keys[i] = self._grown(self.keys[i], k, t)
+                v = self.values[i] = self._grown(self.values[i], v, t)
+                if i == last and j + 1 < len(xs) and not features_of_all:
+                    continue  # this step only fills the cache
+                xs[j] = self._rest_of_layer(i, layer, residual, x, k, v)
+        return xs if features_of_all else xs[-1:]
 
     def _rest_of_layer(self, i: int, layer: _Layer, residual: Tensor, x: Tensor, k: Tensor,
                        v: Tensor) -> Tensor:
