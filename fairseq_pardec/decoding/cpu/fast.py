@@ -171,13 +171,10 @@ def _additive(allowed: Optional[Tensor]) -> Optional[Tensor]:
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     """softmax(q k^T + mask) v over (B, heads, L, head_dim) queries (already scaled).
 
-    For one row the fused kernel (``scaled_dot_product_attention``) is as fast as anything; for
-    a batch its CPU kernel is not: with 4 heads of 64 and 30 keys, 32 rows of 8 queries took
-    0.59 ms through it and 0.20 ms as two batched products and a softmax (32 rows of one query:
-    0.094 against 0.062 ms; 8 rows of 8: 0.16 against 0.07; one row of 8: 0.035 against 0.030;
-    one row of one: 0.018 against 0.027; AVX-512 EPYC, 2 threads). In a whole step of 32 rows
-    that was 5-7% for blocks of 1 and 4 positions and within the noise for longer blocks, where
-    the products dominate.
+    For one row the fused kernel (``scaled_dot_product_attention``) is as fast as the
+    alternatives; for a batch of rows its CPU kernel is slower than two batched products and a
+    softmax, which a step of many rows and short blocks feels (where longer blocks make the
+    products dominate, it does not).
     """
     if q.size(0) == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
@@ -663,8 +660,8 @@ class FastBlockDecoder(LeanBlockDecoder):
 
         Rows leaving keep the others in order: then the rows before the first one leaving stay
         where they are, the later ones move up in place, and of the self-attention buffers only
-        the entries in use move (a copy of whole buffers, capacity included, was 6% of an
-        iteration at batch 32)."""
+        the entries in use move (a copy of whole buffers, capacity included, was a visible
+        share of an iteration at batch 32)."""
         def pick(t: Tensor) -> Tensor:
             return t.index_select(0, new_order)
 

@@ -1,8 +1,8 @@
 """The fast encoder: fairseq's Transformer encoder in the fast step's operations.
 
-The engine encodes every batch once. With fairseq's modules that costs, on a d256 3-layer
-encoder and 2 CPU threads, about 4 ms for one sentence of 30 tokens and 40 ms for a batch of 32:
-a tenth to a fifth of decoding a batch once the decoder step is fast. :class:`FastEncoder`
+The engine encodes every batch once, and once the decoder step is fast, fairseq's modules
+make the encoder a large share of a batch's time (at batch 1 their Python between small
+products costs more than the products). :class:`FastEncoder`
 computes the same function as :class:`~fairseq.models.transformer.TransformerEncoderBase` with
 the fast decoder step's means (cpu/fast.py): one product for queries, keys and values per layer
 with the query scaling folded into its weight, each product on the kernel measured faster for its
