@@ -61,7 +61,7 @@ def run_schedule(generator, d, sources, seed, cancel_rate=0.05, most_joining=3, 
     while waiting or running:
         if waiting and (not running or rng.random() < 0.6):
             joining = [waiting.pop(0) for _ in range(min(len(waiting), rng.randint(1, most_joining)))]
-            sample, encoder_out = collate(d, [sources[i] for i in joining]), None
+            sample, encoder_out, projected = collate(d, [sources[i] for i in joining]), None, None
             # the collater orders by length: its ids say which sentence each row is
             order = sample["id"].tolist()
             if ahead:
@@ -71,12 +71,14 @@ def run_schedule(generator, d, sources, seed, cancel_rate=0.05, most_joining=3, 
                          enumerate(encoded.sample["id"].tolist())}
                 order = list(range(len(joining)))
                 rng.shuffle(order)
-                sample, encoder_out = encoded.take([place[i] for i in order])
+                sample, encoder_out, projected = encoded.take([place[i] for i in order])
+                # the fast step projects their sources ahead, the lean step at the join
+                assert (projected is not None) == generator.block_decoder.fast
             if batch is None or not batch.rows_host:
                 batch = generator.open(sample, encoder_out)
                 ids = list(range(len(order)))
             else:
-                ids = generator.join(batch, sample, encoder_out)
+                ids = generator.join(batch, sample, encoder_out, projected)
             for row, position in zip(ids, order):
                 running[row] = joining[position]
             joined_running += bool(running) and len(batch.rows_host) > len(ids)
@@ -228,9 +230,10 @@ def test_rows_admitted_past_the_places_are_encoded_together_and_join_as_places_f
         encoded.append(sample["net_input"]["src_tokens"].size(0))
         return encode_rows(sample)
 
-    def joined(running, sample, encoder_out=None):
+    def joined(running, sample, encoder_out=None, sources=None):
         brought.append((encoder_out is not None, sample["net_input"]["src_tokens"].size(0)))
-        return join(running, sample, encoder_out)
+        assert (sources is not None) == (encoder_out is not None)  # the fast step's, ahead
+        return join(running, sample, encoder_out, sources)
 
     generator.encode_rows, generator.join = counted, joined
     batch = running_batch_for(_Served(generator, d), capacity=3, batching="join")

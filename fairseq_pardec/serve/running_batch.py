@@ -188,17 +188,18 @@ class IterationBatch(RunningBatch):
             encoded = taking[0][1]
             group = [entry for entry in taking if entry[1] is encoded]
             taking = [entry for entry in taking if entry[1] is not encoded]
-            sample, encoder_out = encoded.take([position for _, _, position in group])
+            sample, encoder_out, sources = encoded.take([position for _, _, position in group])
             self._join([row for row, _, _ in group], list(range(len(group))), sample,
-                       encoder_out)
+                       encoder_out, sources)
 
-    def _join(self, rows: List[Row], order: List[int], sample, encoder_out) -> None:
+    def _join(self, rows: List[Row], order: List[int], sample, encoder_out,
+              sources=None) -> None:
         """``sample``'s rows, row ``order[i]`` of ``rows`` at its position i, join the batch."""
         if not self._rows:  # nothing running: a fresh batch
             self._batch = self.generator.open(sample, encoder_out)
             ids = list(range(len(rows)))
         else:
-            ids = self.generator.join(self._batch, sample, encoder_out)
+            ids = self.generator.join(self._batch, sample, encoder_out, sources)
         joined_at = time.perf_counter()
         for row_id, position in zip(ids, order):
             self._rows[row_id] = rows[position]

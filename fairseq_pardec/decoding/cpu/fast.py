@@ -47,8 +47,8 @@ from fairseq_pardec.decoding.step.lean import (LeanBlockDecoder, join_sources, j
                                                lean_supported)
 from fairseq_pardec.decoding.step.margins import CPU_FP32_MARGIN
 from fairseq_pardec.decoding.step.output_projection import plain_output_projection
-from fairseq_pardec.decoding.cpu.products import (NATIVE, FeedForward, KernelChoice, Linear,
-                                                  query_key_value)
+from fairseq_pardec.decoding.cpu.products import (NATIVE, PACK_BELOW, FeedForward, KernelChoice,
+                                                  Linear, query_key_value)
 from fairseq_pardec.decoding.step.weights_key import PREPARE_LOCK, WeightsKey
 from fairseq_pardec.models.decoder_inputs import (encoder_states, final_features, plain_input,
                                                    position_embeddings)
@@ -184,6 +184,32 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tenso
     return torch.matmul(weights.softmax(dim=-1), v)
 
 
+
+
+class ProjectedSources:
+    """Rows' encoder keys and values of every layer, projected ahead of their join
+    (:meth:`FastBlockDecoder.project_sources`) with ``weights``: enc_keys/enc_values[i] (B,
+    heads, S, head_dim), enc_attend (B, 1, 1, S) or None, as :class:`FastCache` holds them."""
+
+    def __init__(self, weights, enc_keys: List[Tensor], enc_values: List[Tensor],
+                 enc_attend: Optional[Tensor]):
+        self.weights, self.enc_keys, self.enc_values = weights, enc_keys, enc_values
+        self.enc_attend = enc_attend
+
+    def take(self, order: Tensor, columns: slice) -> "ProjectedSources":
+        """Rows ``order``, cut to the source ``columns`` (encoded_rows.EncodedRows.take)."""
+        def rows(t: Tensor) -> Tensor:
+            return t.index_select(0, order)[:, :, columns].contiguous()
+
+        attend = self.enc_attend
+        if attend is not None:
+            attend = attend.index_select(0, order)[..., columns]
+            if bool(attend.all()):
+                attend = None
+            else:
+                attend = attend.contiguous()
+        return ProjectedSources(self.weights, [rows(k) for k in self.enc_keys],
+                                [rows(v) for v in self.enc_values], attend)
 
 class _Weights:
     """The weights in the fast layouts, built together and never changed afterwards: the
@@ -368,18 +394,40 @@ class FastBlockDecoder(LeanBlockDecoder):
             cache.values.append(torch.zeros(shape, device=device, dtype=dtype))
         cache.batch = bsz
 
+    def project_sources(self, encoder_out) -> ProjectedSources:
+        """``encoder_out``'s keys and values of every layer, projected now with the current
+        weights, for :meth:`join_rows` to take rows of (``ProjectedSources.take``): rows
+        encoded ahead of their join are projected in one call, not a few at each join. A
+        running batch on other weights projects its joiners again."""
+        projected = FastCache()
+        projected.weights = self._prepared()
+        self._project_sources(projected, encoder_out, encoder_states(encoder_out)[0].size(1))
+        return ProjectedSources(projected.weights, projected.enc_keys, projected.enc_values,
+                                projected.enc_attend)
+
     def _project_sources(self, cache: FastCache, encoder_out, bsz: int):
         """The encoder's keys and values of every layer, with ``cache.weights``, into
-        ``cache`` (and its source padding)."""
+        ``cache`` (and its source padding). Where the sources are mostly padding, the products
+        run on their real positions alone, and the padding's keys and values are zeros (masked
+        by ``enc_attend``)."""
         enc, enc_pad = encoder_states(encoder_out)  # (S, B, C), (B, S)
         cache.enc_attend = None
-        if enc_pad is not None and bool(enc_pad.any()):
-            cache.enc_attend = (~enc_pad.bool()).view(bsz, 1, 1, -1)
+        real = None
+        if enc_pad is not None:
+            real = (~enc_pad.bool()).t().reshape(-1).nonzero().view(-1)  # time-major positions
+            if real.numel() < enc_pad.numel():
+                cache.enc_attend = (~enc_pad.bool()).view(bsz, 1, 1, -1)
+            if real.numel() >= PACK_BELOW * enc_pad.numel():
+                real = None
         source = enc.size(0)
         enc = enc.reshape(source * bsz, -1)
+        if real is not None:
+            enc = enc.index_select(0, real)
         for layer in cache.weights.layers:
             heads, head_dim = layer.cross_heads, layer.cross_head_dim
             kv = layer.cross_kv(enc, self.kernels.kernel_for(enc.size(0)))
+            if real is not None:
+                kv = kv.new_zeros(source * bsz, kv.size(1)).index_copy_(0, real, kv)
             kv = kv.view(source, bsz, 2, heads, head_dim).permute(2, 1, 3, 0, 4)
             cache.enc_keys.append(kv[0].contiguous())
             cache.enc_values.append(kv[1].contiguous())
@@ -608,14 +656,20 @@ class FastBlockDecoder(LeanBlockDecoder):
 
     joins_rows = True
 
-    def join_rows(self, cache: FastCache, encoder_out, rows: int):
+    def join_rows(self, cache: FastCache, encoder_out, rows: int,
+                  sources: Optional[ProjectedSources] = None):
         """``rows`` rows join the batch of ``cache`` (a batch that has run), after its rows,
-        decoding with the batch's weights: their encoder keys and values are projected, and
-        the entries before their first are masked (holes)."""
+        decoding with the batch's weights: their encoder keys and values are projected (or
+        taken from ``sources``, projected ahead with the same weights), and the entries before
+        their first are masked (holes)."""
         keys = cache.keys[0]
-        new = FastCache()
-        new.weights = cache.weights
-        self._project_sources(new, encoder_out, rows)
+        if (sources is not None and sources.weights is cache.weights
+                and sources.enc_keys[0].size(0) == rows):
+            new = sources
+        else:
+            new = FastCache()
+            new.weights = cache.weights
+            self._project_sources(new, encoder_out, rows)
         old, length = cache.batch, cache.length
         source, theirs = cache.enc_keys[0].size(2), new.enc_keys[0].size(2)
         pad_a = None if cache.enc_attend is None else ~cache.enc_attend.view(old, -1)

@@ -27,14 +27,9 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from fairseq_pardec.decoding.cpu.layer_stack import NativeLayerStack
-from fairseq_pardec.decoding.cpu.products import (NATIVE, FeedForward, KernelChoice, Linear,
-                                                  query_key_value)
+from fairseq_pardec.decoding.cpu.products import (NATIVE, PACK_BELOW, FeedForward, KernelChoice,
+                                                  Linear, query_key_value)
 from fairseq_pardec.decoding.step.weights_key import PREPARE_LOCK, WeightsKey
-
-
-# below this share of real positions in a padded batch, the position-wise products run on the
-# real positions alone (a queue's texts encoded together are far apart in length)
-PACK_BELOW = 0.85
 
 
 def _plain_self_attention(attn) -> bool:

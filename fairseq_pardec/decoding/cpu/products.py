@@ -45,6 +45,11 @@ _PROBE_ROWS = (1, 8, 32, 256)
 MKL, ONEDNN, NATIVE = "mkl", "onednn", "native"
 KERNELS = (MKL, ONEDNN, NATIVE)
 
+# below this share of real positions in a padded batch, the position-wise products run on the
+# real positions alone (the encoder, the sources' keys and values): a queue's texts encoded
+# together are far apart in length
+PACK_BELOW = 0.85
+
 # Per regime, the kernel kept unless another is measured faster by a clear margin, best first
 # among those that run. At one row and a few rows a layer stack's kernel is not measured at all
 # where the native kernel runs: there it also runs a decoder call's (or an encoder's) whole

@@ -186,11 +186,12 @@ class Batch:
         if alive:
             self.step.reorder(self.cache, alive_dev)
 
-    def absorb(self, other: "Batch") -> List[int]:
+    def absorb(self, other: "Batch", sources=None) -> List[int]:
         """The rows of ``other``, a batch just started on the same generator and step (not yet
         iterated), join this one after its active rows; returns their row ids, at which their
         outputs will be (``finalized``). Ids freed by ``release`` are taken first. No row
-        already here is copied but where a table grows by the new rows."""
+        already here is copied but where a table grows by the new rows. ``sources``: their
+        sources as the step projected them ahead (step.project_sources), or None."""
         if other.step is not self.step or other.device != self.device:
             raise ValueError("rows join a running batch of the same decoder step and device")
         if self.prefix is not None or other.prefix is not None:
@@ -236,7 +237,7 @@ class Batch:
         place_rows(self, other, ("sources",), ids)
         joined = None
         if not self.step.reads_encoder_out(self.cache):  # started: the new rows join it
-            self.step.join_rows(self.cache, other.encoder_out, count)
+            self.step.join_rows(self.cache, other.encoder_out, count, sources)
             # their entries before their first are holes, which fairseq's steps never have
             self.exact_so_far = False
         else:  # not run yet: its first call projects every row's encoder output

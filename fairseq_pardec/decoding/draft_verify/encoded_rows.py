@@ -12,7 +12,7 @@ A row's encoder output then comes from a batch of other texts, as in any offline
 rounds otherwise than alone, which the margin guard covers as it covers every batched product.
 """
 
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import torch
 from torch import Tensor
@@ -35,20 +35,24 @@ def encodes_ahead(model) -> bool:
 class EncodedRows:
     """``sample``'s rows and their encoder output, from which rows are taken in any order."""
 
-    def __init__(self, sample: dict, encoder_out: dict, pad: int):
+    def __init__(self, sample: dict, encoder_out: dict, pad: int, sources=None):
         unknown = [key for key, value in encoder_out.items()
                    if value and key not in _SOURCE_FIRST + _ROWS_FIRST + _ROWS_ONLY]
         if unknown:
             raise ValueError("encoder output with %s: rows cannot be taken from it"
                              % ", ".join(sorted(unknown)))
         self.sample, self.encoder_out, self.pad = sample, encoder_out, pad
+        # what the decoder step projects of them at a join, projected now (or None):
+        # step.project_sources
+        self.sources = sources
 
     def __len__(self) -> int:
         return self.sample["net_input"]["src_tokens"].size(0)
 
-    def take(self, positions: List[int]) -> Tuple[dict, dict]:
-        """The sample of the rows at ``positions`` (in that order; ids 0, 1, ...) and their
-        encoder output, both cut to the source columns those rows use."""
+    def take(self, positions: List[int]) -> Tuple[dict, dict, Any]:
+        """The sample of the rows at ``positions`` (in that order; ids 0, 1, ...), their
+        encoder output and their projected sources (or None), all cut to the source columns
+        those rows use: ``generator.join(batch, *encoded.take(positions))``."""
         net_input = self.sample["net_input"]
         src_tokens = net_input["src_tokens"]
         order = torch.tensor(positions, dtype=torch.long, device=src_tokens.device)
@@ -76,4 +80,5 @@ class EncodedRows:
             "net_input": {"src_tokens": tokens[:, columns].contiguous(),
                           "src_lengths": net_input["src_lengths"].index_select(0, order)},
         }
-        return sample, taken
+        sources = None if self.sources is None else self.sources.take(order, columns)
+        return sample, taken, sources

@@ -226,12 +226,13 @@ class DraftVerifyGenerator(StatsGenerator):
         return self.block_decoder.joins_rows and self.drafter.joins_rows
 
     @torch.no_grad()
-    def open(self, sample, encoder_out=None) -> Batch:
+    def open(self, sample, encoder_out=None, sources=None) -> Batch:
         """A running batch of ``sample``'s rows, each with its own length limit (from its own
         source length, as ``--batch-size 1`` has it): rows may join it between iterations
         (``join``), and each row's output is the one it has decoded alone. Advance it with
         ``iterate``; its ids are the rows of ``sample`` and then those ``join`` returns.
-        ``encoder_out``: the rows' encoder output, where it was computed ahead (``encode_rows``)."""
+        ``encoder_out``: the rows' encoder output, where it was computed ahead (``encode_rows``;
+        the batch's first call projects their sources itself: ``sources`` is not read)."""
         if not self.joins_rows():
             raise UsageError("rows cannot join a running batch of --generator %s on the %s "
                              "decoder step" % (getattr(self, "name", type(self).__name__),
@@ -239,14 +240,15 @@ class DraftVerifyGenerator(StatsGenerator):
         return self._start(sample, None, None, per_row_limits=True, encoder_out=encoder_out)
 
     @torch.no_grad()
-    def join(self, batch: Batch, sample, encoder_out=None) -> List[int]:
+    def join(self, batch: Batch, sample, encoder_out=None, sources=None) -> List[int]:
         """``sample``'s rows join the running ``batch`` (``open``) before its next iteration:
         their encoder runs once (unless ``encoder_out`` gives its output, computed ahead:
-        ``encode_rows``) and their drafter state starts; returns their row ids."""
+        ``encode_rows``, with the step's ``sources`` projected ahead too) and their drafter
+        state starts; returns their row ids."""
         joining = self._start(sample, None, batch.bos_token, per_row_limits=True,
                               step_and_encoder=(batch.step, self._step_and_encoder()[1]),
                               encoder_out=encoder_out, running=batch)
-        return batch.absorb(joining)
+        return batch.absorb(joining, sources)
 
     @torch.no_grad()
     def encode_rows(self, sample) -> Optional[EncodedRows]:
@@ -255,7 +257,9 @@ class DraftVerifyGenerator(StatsGenerator):
         Transformer dictionary, whose rows could not be taken."""
         if not encodes_ahead(self.model):
             return None
-        return EncodedRows(sample, self.encode(sample["net_input"]), self.src_pad)
+        step, encode = self._step_and_encoder()
+        encoder_out = encode(sample["net_input"])
+        return EncodedRows(sample, encoder_out, self.src_pad, step.project_sources(encoder_out))
 
     def _start(self, sample, prefix_tokens, bos_token, per_row_limits: bool = False,
                step_and_encoder=None, encoder_out=None, running: Optional[Batch] = None) -> Batch:

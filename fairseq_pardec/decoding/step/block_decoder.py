@@ -102,7 +102,11 @@ class BlockDecoder:
     # only the lean and fast steps take them (join_rows)
     joins_rows = False
 
-    def join_rows(self, state, encoder_out, rows: int) -> None:
+    def project_sources(self, encoder_out):
+        """Nothing computed ahead of a join: None (see the Protocol, step/interface.py)."""
+        return None
+
+    def join_rows(self, state, encoder_out, rows: int, sources=None) -> None:
         """``rows`` rows join the running batch of ``state`` after its rows (where
         ``joins_rows``)."""
         raise UsageError("the %s decoder step takes no rows into a running batch; the server "

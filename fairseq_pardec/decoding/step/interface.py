@@ -89,9 +89,16 @@ class DecoderStep(Protocol):
     def joins_rows(self) -> bool:
         """Whether rows may join a running batch of this step's (``join_rows``)."""
 
-    def join_rows(self, state: Any, encoder_out, rows: int) -> None:
+    def join_rows(self, state: Any, encoder_out, rows: int, sources: Any = None) -> None:
         """``rows`` rows join the batch of ``state``, after its rows, with ``encoder_out``
-        their encoder's output: the cache entries before their first are holes to them."""
+        their encoder's output: the cache entries before their first are holes to them.
+        ``sources``: their sources as ``project_sources`` projected them ahead (rows taken
+        from it), where the step made such a thing."""
+
+    def project_sources(self, encoder_out) -> Any:
+        """What ``join_rows`` reads of rows' encoder output, computed now for rows that join
+        later: an object whose ``take(order, columns)`` gives some rows, cut to some source
+        columns; None where the step computes it at the join."""
 
     def reorder(self, state: Any, new_order: Tensor) -> None:
         """Keep (and reorder) the batch's rows: finished rows leave."""

@@ -403,7 +403,7 @@ class LeanBlockDecoder(BlockDecoder):
 
     joins_rows = True
 
-    def join_rows(self, cache: LeanCache, encoder_out, rows: int):
+    def join_rows(self, cache: LeanCache, encoder_out, rows: int, sources=None):
         """``rows`` rows join the batch of ``cache`` (a batch that has run), after its rows:
         their encoder keys and values are projected, and the entries before their first are
         masked (holes: each row's positions are its own length, never the cache's)."""
