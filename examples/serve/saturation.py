@@ -23,6 +23,7 @@ output of every way is compared with ``offline``'s (greedy's, for a lossless gen
 """
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -93,26 +94,26 @@ def main(argv=None):
         texts = [line.rstrip("\n") for line in lines][: mine.sentences]
     rows_of = [model.encode(text) for text in texts]
     capacity = args.batch_size
-    WAYS["join"] = lambda model, rows_of, capacity: run_join(model, rows_of, capacity,
-                                                             args.prepare_rows)
+    # the server's join, with this command's --prepare-rows
+    ways = dict(WAYS, join=functools.partial(run_join, prepare=args.prepare_rows))
     stats = model.generator.stats
-    seconds = {way: [] for way in WAYS}
+    seconds = {way: [] for way in ways}
     work = {}
     outputs = {}
     with torch.no_grad():
-        for way, run in WAYS.items():  # warm-up
+        for way, run in ways.items():  # warm-up
             run(model, rows_of[: capacity], capacity)
         for round_ in range(mine.rounds):
-            names = list(WAYS)
+            names = list(ways)
             turn = round_ % len(names)
             for way in names[turn:] + names[:turn]:
                 calls, row_iterations = stats.decoder_calls, stats.row_iterations
                 start = time.perf_counter()
-                outputs[way] = WAYS[way](model, rows_of, capacity)
+                outputs[way] = ways[way](model, rows_of, capacity)
                 seconds[way].append(time.perf_counter() - start)
                 work[way] = (stats.decoder_calls - calls, stats.row_iterations - row_iterations)
     n = len(rows_of)
-    for way in WAYS:
+    for way in ways:
         calls, row_iterations = work[way]
         same = sum(outputs[way][i] == outputs["offline"][i] for i in range(n))
         print("%-9s %7.1f sent/s  decoder calls %6d  rows an iteration %5.1f  = offline %d/%d"

@@ -226,13 +226,13 @@ class DraftVerifyGenerator(StatsGenerator):
         return self.block_decoder.joins_rows and self.drafter.joins_rows
 
     @torch.no_grad()
-    def open(self, sample, encoder_out=None, sources=None) -> Batch:
+    def open(self, sample, encoder_out=None) -> Batch:
         """A running batch of ``sample``'s rows, each with its own length limit (from its own
         source length, as ``--batch-size 1`` has it): rows may join it between iterations
         (``join``), and each row's output is the one it has decoded alone. Advance it with
         ``iterate``; its ids are the rows of ``sample`` and then those ``join`` returns.
         ``encoder_out``: the rows' encoder output, where it was computed ahead (``encode_rows``;
-        the batch's first call projects their sources itself: ``sources`` is not read)."""
+        the batch's first call projects their sources itself)."""
         if not self.joins_rows():
             raise UsageError("rows cannot join a running batch of --generator %s on the %s "
                              "decoder step" % (getattr(self, "name", type(self).__name__),
