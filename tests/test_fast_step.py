@@ -54,17 +54,21 @@ def _searched(monkeypatch, generator, src, decided):
 
 @pytest.mark.parametrize("overrides", ARCHITECTURES)
 @pytest.mark.parametrize("ragged", [False, True])
-@pytest.mark.parametrize("kernel", [MKL, ONEDNN, NATIVE, "native products", None],
-                         ids=["addmm", "onednn", "native", "native-products", "measured"])
+@pytest.mark.parametrize("kernel", [MKL, ONEDNN, NATIVE, "native products", "torch attention",
+                                    None],
+                         ids=["addmm", "onednn", "native", "native-products", "torch-attention",
+                              "measured"])
 def test_fast_log_probs_within_the_guards_bound(overrides, ragged, kernel):
-    """Through blocks, rollback holes, compaction and shrinking batches, the fast step's
+    """Through blocks, rollbacks to rows' own lengths and shrinking batches, the fast step's
     log-probabilities, on the fast encoder's output, stay within a tenth of the guard's margin
     of fairseq's module path on fairseq's encoder, with each kernel for the products (the
     output projection's included) and with the one measured fastest per row count. On the
     native kernel the layers run as one native call (cpu/layer_stack.py), or, with that call
-    turned off, as torch operations around native products."""
-    stack = kernel != "native products"
-    kernel = NATIVE if kernel == "native products" else kernel
+    turned off, as torch operations around native products; the attention runs on the native
+    kernel between library products, or in torch operations."""
+    stack = kernel not in ("native products", "torch attention")
+    attention = kernel != "torch attention"
+    kernel = {"native products": NATIVE, "torch attention": MKL}.get(kernel, kernel)
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=31, **overrides)
     sample = random_batch(d, [4, 9, 1, 15, 6, 3, 22, 2], seed=7)
@@ -77,6 +81,7 @@ def test_fast_log_probs_within_the_guards_bound(overrides, ragged, kernel):
     if kernel is not None:
         fast.pin_kernel(kernel)
     fast.native_stack = stack
+    fast.native_attention = attention
     module = BlockDecoder(model.decoder)
     worst = 0.0
     encode = FastEncoder(model.encoder, fast.kernels)

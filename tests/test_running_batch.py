@@ -288,21 +288,6 @@ def test_every_step_is_what_the_protocols_declare():
         assert isinstance(step, DrafterStep) and step.joins_rows
 
 
-def test_joining_rows_take_the_room_rows_left_before_copying():
-    from fairseq_pardec.decoding.cpu.fast import _with_rows
-
-    t = torch.arange(24.0).view(4, 3, 2)
-    kept = t[:2]  # two rows left the batch: their storage stays
-    grown = _with_rows(kept, 2, 3)
-    assert grown.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()  # in place
-    assert torch.equal(grown[:2], torch.arange(12.0).view(2, 3, 2))
-    assert not grown[2].any()
-    bigger = _with_rows(grown, 3, 6)  # no room: a new buffer with room for more
-    assert bigger.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-    assert torch.equal(bigger[:3], grown) and not bigger[3:].any()
-    assert _with_rows(bigger, 6, 8).untyped_storage().data_ptr() == bigger.untyped_storage().data_ptr()
-
-
 @pytest.mark.parametrize("step", ["fast", "lean"])
 def test_rows_join_before_the_first_iteration_and_after_rows_left(step):
     """Joins before the batch's first call (its cache then projects every row's encoder output

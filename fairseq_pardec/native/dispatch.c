@@ -24,7 +24,10 @@
 typedef void (*linear_fn)(const float *, int64_t, int64_t, const float *, const float *,
                           const float *, float *, int64_t, int, int);
 typedef void (*layers_fn)(const int64_t *, const int64_t *, const double *, const int64_t *,
-                          const int64_t *, const uint8_t *, const uint8_t *, float *);
+                          const int64_t *, const uint8_t *, const uint8_t *, const int64_t *,
+                          const int64_t *, float *);
+typedef void (*attention_fn)(const int64_t *, const int64_t *, const int64_t *, const int64_t *,
+                             float *, float *, const uint8_t *, const float *, float *);
 typedef int (*embed_fn)(const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t,
                         int64_t, int64_t, float, const float *, int64_t, const float *, int64_t,
                         int64_t, float *);
@@ -38,6 +41,7 @@ struct variant {
     int (*runs_here)(void);
     linear_fn linear;
     layers_fn layers;
+    attention_fn attention;
     embed_fn embed;
     best_two_fn best_two;
     count_fn panel_width, layers_abi;
@@ -74,7 +78,11 @@ enum { LEVEL_x86_64 = 1, LEVEL_x86_64_v3 = 3, LEVEL_x86_64_v4 = 4, LEVEL_native 
                              const float *, float *, int64_t, int, int);                       \
     void pardec_decoder_layers_##isa(const int64_t *, const int64_t *, const double *,       \
                                      const int64_t *, const int64_t *, const uint8_t *,       \
-                                     const uint8_t *, float *);                                \
+                                     const uint8_t *, const int64_t *, const int64_t *,       \
+                                     float *);                                                 \
+    void pardec_attention_##isa(const int64_t *, const int64_t *, const int64_t *,            \
+                                const int64_t *, float *, float *, const uint8_t *,           \
+                                const float *, float *);                                      \
     int pardec_embed_block_##isa(const int64_t *, const int64_t *, const int64_t *, int64_t,  \
                                  int64_t, int64_t, int64_t, float, const float *, int64_t,    \
                                  const float *, int64_t, int64_t, float *);                   \
@@ -87,8 +95,8 @@ PARDEC_VARIANTS
 
 #define X(isa)                                                                                 \
     {#isa, LEVEL_##isa, runs_##isa, pardec_linear_##isa, pardec_decoder_layers_##isa,         \
-     pardec_embed_block_##isa, pardec_best_two_##isa, pardec_panel_width_##isa,              \
-     pardec_layers_abi_##isa},
+     pardec_attention_##isa, pardec_embed_block_##isa, pardec_best_two_##isa,                \
+     pardec_panel_width_##isa, pardec_layers_abi_##isa},
 static const struct variant VARIANTS[] = {PARDEC_VARIANTS};
 #undef X
 
@@ -127,8 +135,15 @@ void pardec_linear(const float *x, int64_t M, int64_t K, const float *panels, co
 
 void pardec_decoder_layers(const int64_t *dims, const int64_t *weights, const double *eps,
                            const int64_t *state, const int64_t *index, const uint8_t *masked,
-                           const uint8_t *enc_attend, float *x) {
-    bound->layers(dims, weights, eps, state, index, masked, enc_attend, x);
+                           const uint8_t *enc_attend, const int64_t *row_first,
+                           const int64_t *slot_of, float *x) {
+    bound->layers(dims, weights, eps, state, index, masked, enc_attend, row_first, slot_of, x);
+}
+
+void pardec_attention(const int64_t *dims, const int64_t *index, const int64_t *row_first,
+                      const int64_t *slot_of, float *keys, float *values, const uint8_t *flags,
+                      const float *in, float *out) {
+    bound->attention(dims, index, row_first, slot_of, keys, values, flags, in, out);
 }
 
 int pardec_embed_block(const int64_t *tokens, const int64_t *start, const int64_t *index,

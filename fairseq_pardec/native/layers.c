@@ -40,11 +40,16 @@ enum { D_LAYERS, D_ROWS, D_BATCH, D_LENGTH, D_FIRST, D_CAPACITY, D_MODEL, D_HEAD
 enum { W_QKV, W_QKV_B, W_OUT, W_OUT_B, W_CQ, W_CQ_B, W_CO, W_CO_B, W_FC1, W_FC1_B, W_FC2,
        W_FC2_B, W_N0, W_N0_B, W_N1, W_N1_B, W_N2, W_N2_B, W_COUNT };
 
-/* per layer, in the state table: self keys, self values (B, heads, capacity, head_dim), encoder
- * keys, encoder values (B, cross heads, S, head_dim) */
+/* per layer, in the state table: self keys, self values (slots, heads, capacity, head_dim),
+ * encoder keys, encoder values (slots, cross heads, S, head_dim) */
 enum { S_KEYS, S_VALUES, S_ENC_KEYS, S_ENC_VALUES, S_COUNT };
 
-int PARDEC_API(pardec_layers_abi)(void) { return D_COUNT * 10000 + W_COUNT * 100 + S_COUNT; }
+/* pardec_attention's dims, in this order */
+enum { A_ROWS, A_BATCH, A_HEADS, A_DIM, A_ENTRIES, A_THREADS, A_CROSS, A_COUNT };
+
+int PARDEC_API(pardec_layers_abi)(void) {
+    return A_COUNT * 1000000 + D_COUNT * 10000 + W_COUNT * 100 + S_COUNT;
+}
 
 #define PTR(table, i) ((const float *)(intptr_t)(table)[i])
 
@@ -155,60 +160,123 @@ static void attend(const float *q, const float *keys, const float *values, int64
                    next_values, next_count);
 }
 
-/* One attention per (row, head) task: the self-attention's (causal over the cache, or every
- * entry for an encoder) or the encoder attention's (every real source position). */
+/* One attention per (row, head) task: the self-attention's (causal over the row's own cache
+ * entries, or every entry for an encoder) or the encoder attention's (every real source
+ * position). A packed row n reads the buffers of its slot, row_slot[n]: a batch row is a slot of
+ * the cache, wherever it sits in the batch. */
 struct attention {
     int64_t heads, dim;
-    int64_t slot;    /* entries per (batch row, head) in keys and values */
-    int64_t keys;    /* keys every query reads, or -1: causal, first + the row's time + 1 */
-    int64_t first;   /* the block's first cache entry */
+    int64_t entries; /* entries per (slot, head) in keys and values */
+    int64_t keys;    /* keys every query reads, or -1: causal, up to its own entry row_at[n] */
     const float *queries, *keys_at, *values_at;
     int64_t query_stride, out_stride; /* floats from one row's queries (outputs) to the next */
-    const uint8_t *flags; /* (batch, slot), or NULL */
+    const uint8_t *flags; /* (slots, entries), or NULL */
     int flags_skip;
-    const int64_t *row_batch, *row_time;
+    const int64_t *row_slot, *row_at;
     float *out;
     int64_t tasks;
 };
 
 static inline int64_t keys_read(const struct attention *a, int64_t n) {
-    return a->keys >= 0 ? a->keys : a->first + a->row_time[n] + 1;
+    return a->keys >= 0 ? a->keys : a->row_at[n] + 1;
 }
 
 static void attention_tasks(void *context, int64_t first_task, int64_t last_task) {
     const struct attention *a = context;
     for (int64_t task = first_task; task < last_task; task++) {
         const int64_t n = task / a->heads, h = task % a->heads;
-        const int64_t b = a->row_batch[n];
+        const int64_t s = a->row_slot[n];
         const int64_t count = keys_read(a, n);
         float scores[count];
-        const int64_t from = (b * a->heads + h) * a->slot * a->dim;
+        const int64_t from = (s * a->heads + h) * a->entries * a->dim;
         /* the next task's keys and values are asked for while this one computes */
         int64_t next_count = 0, next_from = 0;
         if (task + 1 < a->tasks) {
             const int64_t n1 = (task + 1) / a->heads, h1 = (task + 1) % a->heads;
             next_count = keys_read(a, n1);
-            next_from = (a->row_batch[n1] * a->heads + h1) * a->slot * a->dim;
+            next_from = (a->row_slot[n1] * a->heads + h1) * a->entries * a->dim;
         }
         attend(a->queries + n * a->query_stride + h * a->dim, a->keys_at + from,
-               a->values_at + from, count, a->dim, a->flags ? a->flags + b * a->slot : NULL,
+               a->values_at + from, count, a->dim, a->flags ? a->flags + s * a->entries : NULL,
                a->flags_skip, scores, a->out + n * a->out_stride + h * a->dim,
                a->keys_at + next_from, a->values_at + next_from, next_count);
     }
 }
 
+/* Where each packed row's query sits: its slot, and the cache entry its own key goes to (a
+ * decoder's: its batch row's first entry + its time in the block; an encoder's: its time).
+ * Returns the most entries a query reads. */
+static int64_t place_rows(int64_t rows, const int64_t *index, int64_t batch, int64_t length,
+                          int encoder, int64_t first, const int64_t *row_first,
+                          const int64_t *slot_of, int64_t *row_slot, int64_t *row_at) {
+    int64_t most = 0;
+    for (int64_t n = 0; n < rows; n++) {
+        const int64_t place = index ? index[n] : n;
+        const int64_t t = encoder ? place % length : place / batch;
+        const int64_t b = encoder ? place / length : place % batch;
+        row_slot[n] = slot_of ? slot_of[b] : b;
+        row_at[n] = encoder ? t : (row_first ? row_first[b] : first) + t;
+        if (row_at[n] + 1 > most) most = row_at[n] + 1;
+    }
+    return encoder ? length : most;
+}
+
+/* attention is a few microseconds of arithmetic at batch 1: threads only for batches */
+static inline int attention_threads(int64_t rows, int64_t heads, int64_t keys, int64_t dim,
+                                    int threads) {
+    return threads > 1 && rows * heads * keys * dim > (1 << 17) ? threads : 1;
+}
+
+/* The self-attention of packed rows whose queries, keys and values are ``qkv`` (rows, 3 *
+ * heads * dim): the keys and values go to their slots' cache entries first, then each query
+ * attends (keys: every query reads that many entries, or -1: causal). */
+static void self_attention(int64_t rows, int64_t heads, int64_t dim, int64_t entries,
+                           int64_t keys, const int64_t *row_slot, const int64_t *row_at,
+                           float *cache_keys, float *cache_values, const float *qkv,
+                           const uint8_t *masked, float *attended, int threads) {
+    const int64_t width = heads * dim;
+    for (int64_t n = 0; n < rows; n++) {
+        const float *row = qkv + n * 3 * width;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t to = ((row_slot[n] * heads + h) * entries + row_at[n]) * dim;
+            memcpy(cache_keys + to, row + width + h * dim, sizeof(float) * dim);
+            memcpy(cache_values + to, row + 2 * width + h * dim, sizeof(float) * dim);
+        }
+    }
+    struct attention self = {heads, dim, entries, keys, qkv, cache_keys, cache_values,
+                             3 * width, width, masked, 1, row_slot, row_at, attended,
+                             rows * heads};
+    pardec_parallel_for(self.tasks, threads, attention_tasks, &self);
+}
+
+/* The encoder attention of packed rows' queries ``q`` (rows, heads * dim) over their slots'
+ * ``source`` encoder keys and values (enc_attend: (slots, source) nonzero where real). */
+static void cross_attention(int64_t rows, int64_t heads, int64_t dim, int64_t source,
+                            const int64_t *row_slot, const int64_t *row_at,
+                            const float *enc_keys, const float *enc_values,
+                            const uint8_t *enc_attend, const float *q, float *attended,
+                            int threads) {
+    struct attention cross = {heads, dim, source, source, q, enc_keys, enc_values, heads * dim,
+                              heads * dim, enc_attend, 0, row_slot, row_at, attended,
+                              rows * heads};
+    pardec_parallel_for(cross.tasks, threads, attention_tasks, &cross);
+}
+
 /* dims: D_COUNT values (see the enum); weights: W_COUNT pointers per layer; eps: 3 per layer;
  * state: S_COUNT pointers per layer; index: (rows) the packed rows' places in the time-major
  * (length, batch) grid, or NULL for a dense block; masked: (batch, capacity) nonzero for cache
- * entries no query may attend to, or NULL; enc_attend: (batch, S) nonzero for real source
+ * entries no query may attend to, or NULL; enc_attend: (slots, S) nonzero for real source
  * positions, or NULL; x: (rows, model) the layer stack's input, overwritten with its output.
- * Each row's block entries are written at the cache's [first, first + length).
+ * row_first: (batch) each batch row's first cache entry for the block (NULL: D_FIRST for
+ * every row); slot_of: (batch) the slot of the buffers each batch row owns (NULL: its own
+ * index). Each row's block entries are written at its [first, first + length).
  * An encoder (D_ENCODER): rows are batch-major (batch, length), every row attends to all
  * length entries not masked, and the encoder-attention weights and state are not read. */
 void PARDEC_API(pardec_decoder_layers)(const int64_t *dims, const int64_t *weights,
                                         const double *eps, const int64_t *state,
                                         const int64_t *index, const uint8_t *masked,
-                                        const uint8_t *enc_attend, float *x) {
+                                        const uint8_t *enc_attend, const int64_t *row_first,
+                                        const int64_t *slot_of, float *x) {
     const int64_t layers = dims[D_LAYERS], rows = dims[D_ROWS], batch = dims[D_BATCH];
     const int64_t first = dims[D_FIRST], capacity = dims[D_CAPACITY], model = dims[D_MODEL];
     const int64_t heads = dims[D_HEADS], head_dim = dims[D_HEAD_DIM];
@@ -225,16 +293,10 @@ void PARDEC_API(pardec_decoder_layers)(const int64_t *dims, const int64_t *weigh
     float *attended = malloc(sizeof(float) * rows *
                              (self_width > cross_width ? self_width : cross_width));
     float *next = malloc(sizeof(float) * rows * model);
-    int64_t *row_batch = malloc(sizeof(int64_t) * rows), *row_time = malloc(sizeof(int64_t) * rows);
-    for (int64_t n = 0; n < rows; n++) {
-        const int64_t place = index ? index[n] : n;
-        row_time[n] = encoder ? place % length : place / batch;
-        row_batch[n] = encoder ? place / length : place % batch;
-    }
-    const int64_t keys_seen = first + length;
-    /* attention is a few microseconds of arithmetic at batch 1: threads only for batches */
-    const int parallel_attention =
-        threads > 1 && rows * heads * keys_seen * head_dim > (1 << 17);
+    int64_t *row_slot = malloc(sizeof(int64_t) * rows), *row_at = malloc(sizeof(int64_t) * rows);
+    const int64_t keys_seen = place_rows(rows, index, batch, length, encoder, first, row_first,
+                                         slot_of, row_slot, row_at);
+    const int attention_team = attention_threads(rows, heads, keys_seen, head_dim, threads);
 
     for (int64_t i = 0; i < layers; i++) {
         const int64_t *w = weights + i * W_COUNT;
@@ -255,20 +317,9 @@ void PARDEC_API(pardec_decoder_layers)(const int64_t *dims, const int64_t *weigh
         }
         pardec_linear(in, rows, model, PTR(w, W_QKV), PTR(w, W_QKV_B), NULL, wide,
                       3 * self_width, 0, threads);
-        for (int64_t n = 0; n < rows; n++) {
-            const int64_t b = row_batch[n], at = first + row_time[n];
-            const float *row = wide + n * 3 * self_width;
-            for (int64_t h = 0; h < heads; h++) {
-                const int64_t to = ((b * heads + h) * capacity + at) * head_dim;
-                memcpy(cache_keys + to, row + self_width + h * head_dim, sizeof(float) * head_dim);
-                memcpy(cache_values + to, row + 2 * self_width + h * head_dim,
-                       sizeof(float) * head_dim);
-            }
-        }
-        struct attention self = {heads, head_dim, capacity, encoder ? keys_seen : -1, first,
-                                 wide, cache_keys, cache_values, 3 * self_width, self_width,
-                                 masked, 1, row_batch, row_time, attended, rows * heads};
-        pardec_parallel_for(self.tasks, parallel_attention ? threads : 1, attention_tasks, &self);
+        self_attention(rows, heads, head_dim, capacity, encoder ? keys_seen : -1, row_slot,
+                       row_at, cache_keys, cache_values, wide, masked, attended,
+                       attention_team);
         pardec_linear(attended, rows, self_width, PTR(w, W_OUT), PTR(w, W_OUT_B), x, next, model,
                       0, threads);
         memcpy(x, next, sizeof(float) * rows * model);
@@ -284,11 +335,8 @@ void PARDEC_API(pardec_decoder_layers)(const int64_t *dims, const int64_t *weigh
             }
             pardec_linear(in, rows, model, PTR(w, W_CQ), PTR(w, W_CQ_B), NULL, wide, cross_width,
                           0, threads);
-            struct attention cross = {cross_heads, cross_dim, source, source, first, wide,
-                                      enc_keys, enc_values, cross_width, cross_width, enc_attend,
-                                      0, row_batch, row_time, attended, rows * cross_heads};
-            pardec_parallel_for(cross.tasks, parallel_attention ? threads : 1, attention_tasks,
-                                &cross);
+            cross_attention(rows, cross_heads, cross_dim, source, row_slot, row_at, enc_keys,
+                            enc_values, enc_attend, wide, attended, attention_team);
             pardec_linear(attended, rows, cross_width, PTR(w, W_CO), PTR(w, W_CO_B), x, next,
                           model, 0, threads);
             memcpy(x, next, sizeof(float) * rows * model);
@@ -313,8 +361,39 @@ void PARDEC_API(pardec_decoder_layers)(const int64_t *dims, const int64_t *weigh
     free(wide);
     free(attended);
     free(next);
-    free(row_batch);
-    free(row_time);
+    free(row_slot);
+    free(row_at);
+}
+
+/* One layer's attention alone, for the fast step where a library kernel runs the products
+ * (cpu/fast.py): the same cache, slots and arithmetic as pardec_decoder_layers. dims:
+ * A_COUNT values (see the enum); index, row_first, slot_of: as for pardec_decoder_layers.
+ * A_CROSS = 0: ``in`` is the packed rows' (rows, 3 * heads * dim) queries, keys and values,
+ * the keys and values are written to ``keys``/``values`` (slots, heads, A_ENTRIES, dim), and
+ * each query attends causally to its row's entries; flags: NULL. A_CROSS = 1: ``in`` is the
+ * rows' (rows, heads * dim) queries, attending to all A_ENTRIES source positions of their
+ * slots' encoder keys and values; flags: (slots, A_ENTRIES) nonzero where real, or NULL.
+ * out: (rows, heads * dim). */
+void PARDEC_API(pardec_attention)(const int64_t *dims, const int64_t *index,
+                                   const int64_t *row_first, const int64_t *slot_of,
+                                   float *keys, float *values, const uint8_t *flags,
+                                   const float *in, float *out) {
+    const int64_t rows = dims[A_ROWS], heads = dims[A_HEADS], dim = dims[A_DIM];
+    const int64_t entries = dims[A_ENTRIES];
+    int64_t *row_slot = malloc(sizeof(int64_t) * rows), *row_at = malloc(sizeof(int64_t) * rows);
+    const int64_t keys_seen = place_rows(rows, index, dims[A_BATCH], 0, 0, 0, row_first,
+                                         slot_of, row_slot, row_at);
+    if (dims[A_CROSS]) {
+        const int team = attention_threads(rows, heads, entries, dim, (int)dims[A_THREADS]);
+        cross_attention(rows, heads, dim, entries, row_slot, row_at, keys, values, flags, in,
+                        out, team);
+    } else {
+        const int team = attention_threads(rows, heads, keys_seen, dim, (int)dims[A_THREADS]);
+        self_attention(rows, heads, dim, entries, -1, row_slot, row_at, keys, values, in, NULL,
+                       out, team);
+    }
+    free(row_slot);
+    free(row_at);
 }
 
 /* The decoder's input for the packed rows of a block: scale * tokens' embedding + their

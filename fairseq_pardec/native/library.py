@@ -67,9 +67,9 @@ SWITCH_VARIABLE = "FAIRSEQ_PARDEC_NATIVE"
 OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 
 # the tables pardec_decoder_layers reads (native/layers.c): dims, per-layer weight pointers,
-# per-layer cache pointers; their sizes, as the library reports them
-LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE = 16, 18, 4
-LAYERS_ABI = LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
+# per-layer cache pointers; and pardec_attention's dims; their sizes, as the library reports them
+LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE, ATTENTION_DIMS = 16, 18, 4, 7
+LAYERS_ABI = ATTENTION_DIMS * 1000000 + LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
 # pardec_decide_rows's argument table (native/decide.c's DECIDE_SLOTS, in its order), by the
 # party that fills each part: per iteration the reading and the block, the symbol EOS, per batch
 # the host's tables, per row count the outcome, and LONGEST. The library's own names are checked
@@ -129,7 +129,11 @@ class NativeKernel:
         self.panel = library.pardec_panel_width()
         self.decoder_layers = library.pardec_decoder_layers
         self.decoder_layers.restype = None
-        self.decoder_layers.argtypes = [ctypes.c_void_p] * 8
+        self.decoder_layers.argtypes = [ctypes.c_void_p] * 10
+        # one layer's attention alone (native/layers.c, cpu/fast.py)
+        self.attention = library.pardec_attention
+        self.attention.restype = None
+        self.attention.argtypes = [ctypes.c_void_p] * 9
         self._best_two = library.pardec_best_two
         self._best_two.restype = None
         self._best_two.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,

@@ -7,19 +7,22 @@ three separate query/key/value products per layer, the query scaled after its pr
 as ``bmm`` / mask / softmax / ``bmm``. :class:`FastBlockDecoder` computes the same function in
 fewer, larger operations:
 
-* the self-attention keys and values live in buffers allocated once per batch, ``(B, heads,
-  capacity, head_dim)`` per layer; a block is written in place at the cache's end, and a rollback
-  only moves the end back (rejected entries are overwritten by the next block);
+* the self-attention keys and values live in buffers allocated once per batch, ``(slots, heads,
+  capacity, head_dim)`` per layer, one row a slot with a length of its own (:class:`FastCache`):
+  a block is written in place after each row's entries, a rollback only sets the rows' lengths
+  (rejected entries are overwritten by the next block), a finished row frees its slot and a
+  joining row takes a free one, so no row's entries are ever copied, moved or compacted;
 * one product per layer produces queries, keys and values together, from a concatenated weight
   with the query scaling folded in; each product runs on the kernel measured faster on this
   machine for its number of rows, MKL's ``addmm`` on a transposed weight, oneDNN's product on
   a packed one with ReLU fused, or the project's native kernel (cpu/products.py);
 * where the products run on the native kernel, the whole call does: the block's input and every
   layer in one native call (cpu/layer_stack.py, native/layers.c), no torch operation between;
-* otherwise attention is one fused kernel (``F.scaled_dot_product_attention``) for one row, and
-  product / softmax / product with an additive mask for a batch (:func:`_attention`), with a mask
-  only where one is needed (a block of several positions, rolled-back holes, a ragged block,
-  padded sources);
+* otherwise the products run on a library kernel and the attention between them on the native
+  kernel (the same code as the native call's, reading each row's slot); without the native
+  kernel, or for a drafter's own block mask, attention is one fused kernel
+  (``F.scaled_dot_product_attention``) for one row, and product / softmax / product with an
+  additive mask for a batch (:func:`_attention`), on the rows' entries read in batch order;
 * the encoder's keys and values are projected once per batch (and the encoder itself runs on the
   same kernels: cpu/fast_encoder.py).
 
@@ -33,7 +36,7 @@ It covers what :func:`~fairseq_pardec.decoding.step.lean.lean_supported` covers,
 on the CPU; elsewhere the engine uses the lean step.
 """
 
-import math
+import ctypes
 from typing import List, Optional, Tuple
 
 import torch
@@ -43,8 +46,8 @@ from torch import Tensor
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.block_decoder import keep_bounds, normalised
 from fairseq_pardec.decoding.cpu.layer_stack import NativeLayerStack
-from fairseq_pardec.decoding.step.lean import (LeanBlockDecoder, join_sources, joined_padding,
-                                               lean_supported)
+from fairseq_pardec.native.library import ATTENTION_DIMS, native_kernel
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 from fairseq_pardec.decoding.step.margins import CPU_FP32_MARGIN
 from fairseq_pardec.decoding.step.output_projection import plain_output_projection
 from fairseq_pardec.decoding.cpu.products import (NATIVE, PACK_BELOW, FeedForward, KernelChoice,
@@ -99,32 +102,36 @@ class _Layer:
 
 
 class FastCache:
-    """One batch's decoder state for :class:`FastBlockDecoder`.
+    """One batch's decoder state for :class:`FastBlockDecoder`: buffers of slots, one row a slot.
 
-    keys/values[i]: (B, heads, capacity, head_dim) buffers of layer i; entries ``[0, length)``
-    are the cache, the rest is scratch. masked: (B, capacity) True for entries a row must not
-    attend to (rolled-back holes, padding of a ragged block), or None while no row has any.
-    enc_keys/enc_values[i]: (B, heads, S, head_dim); enc_attend: (B, 1, 1, S) True where a
-    source position is real, or None without source padding.
+    keys/values[i]: (slots, heads, capacity, head_dim) buffers of layer i. Batch row b owns the
+    slot ``slot_of[b]``, and its cache is that slot's entries ``[0, lengths[b])``: a row's
+    entries are its own and contiguous, so a rollback sets its length (the next block
+    overwrites the rejected entries), a row that leaves frees its slot, and a row that joins
+    takes a free one. No entry of another row is copied or moved, and the cache has no holes.
+    enc_keys/enc_values[i]: (slots, heads, S, head_dim); enc_attend: (slots, 1, 1, S) True
+    where a source position is real, or None without source padding.
 
-    Where buffers change (grown, reordered), their list is replaced, never an item of it: the
-    native step's table of their addresses is kept while the lists are the same
+    Where buffers change (grown), their list is replaced, never an item of it: the native
+    step's table of their addresses is kept while the lists are the same
     (cpu/layer_stack.py, ``NativeLayerStack._state_table``).
     """
 
     def __init__(self):
         self.keys: List[Tensor] = []
         self.values: List[Tensor] = []
-        self.length = 0
-        self.masked: Optional[Tensor] = None
-        # per row, how many entries of ``masked[:, :length]`` are set, as the rollbacks left
-        # them (None: to be counted): the engine's per-iteration bookkeeping of holes, kept on
-        # the host where a few list operations cost less than the tensor operations
-        self.holes: Optional[List[int]] = None
+        self.slot_of: List[int] = []
+        self.free: List[int] = []  # slots no row owns
+        self._lengths: List[int] = []
+        # the latest block: each row's first entry, and its layout and length until the
+        # lengths are read or a rollback sets them (a ragged block's counts are read only
+        # where nothing rolls it back)
+        self.block_first: Optional[List[int]] = None
+        self._pending: Optional[Tuple[BlockLayout, int]] = None
+        self._slots: Optional[Tensor] = None  # slot_of as a tensor, while slot_of is unchanged
         self.enc_keys: List[Tensor] = []
         self.enc_values: List[Tensor] = []
         self.enc_attend: Optional[Tensor] = None
-        self.batch = 0
         # the weights the batch decodes with (_Weights), taken when it starts: a batch never
         # mixes two versions of the weights, and another thread rebuilding them for its own
         # batch changes nothing in this one
@@ -139,25 +146,49 @@ class FastCache:
         self.native_dims = None
 
     @property
+    def batch(self) -> int:
+        return len(self.slot_of)
+
+    @property
     def capacity(self) -> int:
         return self.keys[0].size(2) if self.keys else 0
 
+    @property
+    def slots(self) -> int:
+        return self.keys[0].size(0) if self.keys else 0
 
-def _with_rows(t: Tensor, old: int, total: int) -> Tensor:
-    """``t``'s ``old`` rows (dim 0) and ``total - old`` zero rows after them: in place where
-    its storage has room past them (rows that left a running batch leave theirs), else in a
-    buffer with room for half as many again, so that rows joining a running batch one by one
-    do not copy every row's entries each time."""
-    shape = (total,) + tuple(t.shape[1:])
-    per_row = t[0].numel() if t.size(0) else math.prod(shape[1:])
-    if (t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() >= total * per_row * t.element_size()):
-        out = t.new_empty(0).set_(t.untyped_storage(), 0, shape)
-    else:
-        out = t.new_empty((total + max(total // 2, 1),) + shape[1:])[:total]
-        out[:old] = t[:old]
-    out[old:].zero_()  # a masked entry's value is multiplied by 0: it must be finite
-    return out
+    @property
+    def lengths(self) -> List[int]:
+        """Each row's cache entries."""
+        if self._pending is not None:
+            layout, length = self._pending
+            if layout.dense:
+                self._lengths = [first + length for first in self.block_first]
+            else:
+                counts = (~layout.block_pad).sum(1).tolist()
+                self._lengths = [first + n for first, n in zip(self.block_first, counts)]
+            self._pending = None
+        return self._lengths
+
+    def set_lengths(self, lengths: List[int]):
+        self._lengths, self._pending = lengths, None
+
+    def slot_tensor(self) -> Tensor:
+        """``slot_of`` as an int64 tensor (the native calls read it)."""
+        if self._slots is None:
+            self._slots = torch.tensor(self.slot_of, dtype=torch.long)
+        return self._slots
+
+    def in_order(self) -> bool:
+        """Whether row b owns slot b for every row (the buffers' first rows are the batch)."""
+        return all(s == b for b, s in enumerate(self.slot_of))
+
+    def rows_of(self, t: Tensor) -> Tensor:
+        """The batch's rows of a (slots, ...) buffer, in batch order: a view where the rows own
+        the first slots in order, else a copy."""
+        if self.in_order():
+            return t[: self.batch]
+        return t.index_select(0, self.slot_tensor())
 
 
 def _additive(allowed: Optional[Tensor]) -> Optional[Tensor]:
@@ -253,6 +284,8 @@ class FastBlockDecoder(LeanBlockDecoder):
         # their own batch's
         # the layers as one native call, where native/layers.c computes them (cpu/layer_stack.py)
         self.native_stack = True
+        # else the attention on the native kernel between library products, where it loads
+        self.native_attention = True
 
     def new_state(self, max_len: Optional[int] = None) -> FastCache:  # grows as rows do
         return FastCache()
@@ -392,7 +425,8 @@ class FastBlockDecoder(LeanBlockDecoder):
             shape = (bsz, layer.heads, _INITIAL_CAPACITY, layer.head_dim)
             cache.keys.append(torch.zeros(shape, device=device, dtype=dtype))
             cache.values.append(torch.zeros(shape, device=device, dtype=dtype))
-        cache.batch = bsz
+        cache.slot_of = list(range(bsz))
+        cache.set_lengths([0] * bsz)
 
     def project_sources(self, encoder_out) -> ProjectedSources:
         """``encoder_out``'s keys and values of every layer, projected now with the current
@@ -434,7 +468,7 @@ class FastBlockDecoder(LeanBlockDecoder):
 
     @staticmethod
     def _reserve(cache: FastCache, needed: int):
-        """Grow the buffers (doubling) so that ``needed`` entries fit."""
+        """Grow the buffers (doubling) so that ``needed`` entries fit in every slot."""
         capacity = cache.capacity
         if needed <= capacity:
             return
@@ -443,52 +477,23 @@ class FastBlockDecoder(LeanBlockDecoder):
 
         def grow(t: Tensor) -> Tensor:
             out = t.new_zeros(t.size(0), t.size(1), capacity, t.size(3))
-            out[:, :, : cache.length] = t[:, :, : cache.length]
+            out[:, :, : t.size(2)] = t
             return out
 
         cache.keys = [grow(k) for k in cache.keys]
         cache.values = [grow(v) for v in cache.values]
-        if cache.masked is not None:
-            masked = cache.masked.new_zeros(cache.batch, capacity)
-            masked[:, : cache.length] = cache.masked[:, : cache.length]
-            cache.masked = masked
 
-    @staticmethod
-    def _mark_block(cache: FastCache, layout: BlockLayout, length: int):
-        """Mark the padding of a ragged block in ``cache.masked`` (kept as None while no row
-        has a masked entry)."""
-        if not layout.dense or cache.masked is not None:
-            if cache.masked is None:
-                cache.masked = layout.block_pad.new_zeros(cache.batch, cache.capacity)
-                cache.holes = [0] * cache.batch
-            cache.masked[:, cache.length: cache.length + length] = layout.block_pad
-
-    def _self_mask(self, cache: FastCache, layout: BlockLayout, length: int,
-                   block_mask: Optional[Tensor]) -> Optional[Tensor]:
-        """(B or 1, 1, L, T + L) True where a query may attend, or None for "everything"."""
-        first = cache.length
-        block_pad = layout.block_pad
-        self._mark_block(cache, layout, length)
-        total = first + length
-        device = block_pad.device
-        inside = None
-        if block_mask is not None:
-            inside = block_mask > float("-inf")
-        elif length > 1:
-            inside = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
-        if inside is None and cache.masked is None:
+    def _attention_kernel(self, block_mask: Optional[Tensor]):
+        """The native kernel whose attention the torch path calls (None: torch's attention)."""
+        if not self.native_attention or block_mask is not None:
             return None
-        mask = torch.ones(1, 1, length, total, dtype=torch.bool, device=device)
-        if inside is not None:
-            mask[..., first:] = inside
-        if cache.masked is not None:
-            mask = mask & ~cache.masked[:, :total].view(cache.batch, 1, 1, total)
-        return mask
+        return native_kernel()
 
     def forward_packed(self, tokens, start, layout: BlockLayout, encoder_out, cache: FastCache,
                        steps: Optional[Tensor] = None, block_mask: Optional[Tensor] = None):
         """Features (N, d) at the block's real positions, packed as ``layout`` says (see
-        :meth:`LeanBlockDecoder.forward_packed` for ``steps`` and ``block_mask``)."""
+        :meth:`LeanBlockDecoder.forward_packed` for ``steps`` and ``block_mask``). Each row's
+        block goes to its slot's entries from its own length on."""
         dec = self.decoder
         bsz, length = tokens.size()
         if not cache.keys:
@@ -496,24 +501,28 @@ class FastBlockDecoder(LeanBlockDecoder):
         # the weights are checked once per batch, when it starts
         weights = cache.weights
         layers = weights.layers
-        first = cache.length
-        total = first + length
+        firsts = cache.lengths
+        most = max(firsts)
+        self._reserve(cache, most + length)
+        cache.block_first = firsts
+        cache._pending = (layout, length)
+        row_first = torch.tensor(firsts, dtype=torch.long)
         stack = (weights.stack if weights.stack is not None and self.native_stack
                  and block_mask is None else None)
         if stack is not None and steps is None and self.kernels.kernel_for(layout.size) == NATIVE:
             # the whole call natively: the block's input, then the layers
             # the input's tables, looked up once per batch (again where positions outgrow them)
-            needed = first + length + dec.padding_idx + 1
+            needed = most + length + dec.padding_idx + 1
             tables = cache.input_tables
             if tables is None or (tables[1] is not None and tables[1].size(0) < needed):
                 tables = cache.input_tables = stack.input_tables(dec, needed)
             x = None
             if tables is not None:
-                x = stack.block_input(dec, tokens, start, layout.index, layout.size, first,
+                x = stack.block_input(dec, tokens, start, layout.index, layout.size, most,
                                       tables)
             if x is not None:  # a new buffer of this call's: the layers write over it
-                self._reserve(cache, total)
-                return self._native_layers(stack, x, cache, layout, length, owned=True)
+                x = stack(x, cache, layout.index, layout.batch, row_first, length, owned=True)
+                return final_features(dec, x, time_major=False)
         if steps is None:
             steps = start.unsqueeze(1) + torch.arange(length, device=tokens.device)
         positions = steps + self.padding_idx + 1
@@ -526,56 +535,34 @@ class FastBlockDecoder(LeanBlockDecoder):
             x = x.index_select(0, layout.index)
         kernel = self.kernels.kernel_for(x.size(0))
 
-        self._reserve(cache, total)
         if stack is not None and kernel == NATIVE:
-            return self._native_layers(stack, x, cache, layout, length)
-        mask = _additive(self._self_mask(cache, layout, length, block_mask))
-        enc_mask = _additive(cache.enc_attend)
-        grid = layout.unpack_time_major
+            x = stack(x, cache, layout.index, layout.batch, row_first, length)
+            return final_features(dec, x, time_major=False)
+        native = self._attention_kernel(block_mask)
+        if native is not None:
+            attend = _NativeAttention(native, cache, layout, row_first)
+        else:
+            attend = _TorchAttention(cache, layout, row_first, most + length, block_mask)
         for i, layer in enumerate(layers):
-            heads, head_dim = layer.heads, layer.head_dim
             norm_attn, norm_cross = layer.norms
             # self-attention: one product for queries, keys and values
             residual = x
             if layer.pre_norm:
                 x = norm_attn(x)
-            qkv = grid(layer.qkv(x, kernel)).view(length, bsz, 3, heads, head_dim)
-            cache.keys[i][:, :, first:total] = qkv[:, :, 1].permute(1, 2, 0, 3)
-            cache.values[i][:, :, first:total] = qkv[:, :, 2].permute(1, 2, 0, 3)
-            q = qkv[:, :, 0].permute(1, 2, 0, 3)
-            out = _attention(q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total], mask)
-            x = layer.out(self._pack(out, layout), kernel, add=residual)
+            out = attend.self_attention(i, layer, layer.qkv(x, kernel))
+            x = layer.out(out, kernel, add=residual)
             if not layer.pre_norm:
                 x = norm_attn(x)
             # encoder attention over keys and values projected once per batch
             residual = x
             if layer.pre_norm:
                 x = norm_cross(x)
-            q = grid(layer.cross_q(x, kernel)).view(
-                length, bsz, layer.cross_heads, layer.cross_head_dim).permute(1, 2, 0, 3)
-            out = _attention(q, cache.enc_keys[i], cache.enc_values[i], enc_mask)
-            x = layer.cross_out(self._pack(out, layout), kernel, add=residual)
+            out = attend.cross_attention(i, layer, layer.cross_q(x, kernel))
+            x = layer.cross_out(out, kernel, add=residual)
             if not layer.pre_norm:
                 x = norm_cross(x)
             x = layer.ffn(x, kernel)
-        cache.length = total
         return final_features(dec, x, time_major=False)
-
-    def _native_layers(self, stack: NativeLayerStack, x: Tensor, cache: FastCache,
-                       layout: BlockLayout, length: int, owned: bool = False) -> Tensor:
-        """The layers as one native call on the block's input rows ``x`` (the cache has room;
-        ``owned``: ``x`` may be written over), then the decoder's final features."""
-        first = cache.length
-        self._mark_block(cache, layout, length)
-        x = stack(x, cache, layout.index, layout.batch, first, length, owned)
-        cache.length = first + length
-        return final_features(self.decoder, x, time_major=False)
-
-    @staticmethod
-    def _pack(out: Tensor, layout: BlockLayout) -> Tensor:
-        """(B, heads, L, head_dim) attention output -> (N, heads * head_dim), packed rows."""
-        bsz, heads, length, head_dim = out.shape
-        return layout.pack_time_major(out.permute(2, 0, 1, 3).reshape(length, bsz, heads * head_dim))
 
     # ------------------------------------------------------------------ cache surgery
     def reads_encoder_out(self, cache: FastCache) -> bool:
@@ -583,86 +570,97 @@ class FastBlockDecoder(LeanBlockDecoder):
         return not cache.keys
 
     def cache_length(self, cache: FastCache) -> int:
-        return cache.length
-
-    @staticmethod
-    def _holes(cache: FastCache, end: int) -> List[int]:
-        """Per row the masked entries before ``end``, as counted (or kept) on the host."""
-        if cache.holes is None:
-            cache.holes = cache.masked[:, :end].numpy().sum(1).tolist()
-        return cache.holes
+        """The longest row's entries."""
+        return max(cache.lengths, default=0)
 
     def rollback(self, cache: FastCache, block_len: int, keep: Tensor,
                  keep_range: Optional[Tuple[int, int]] = None):
-        """Of the last ``block_len`` entries keep the first ``keep[b]`` per row: the cache's
-        end moves back to the longest kept row; shorter rows' rejected entries become holes."""
-        first = cache.length - block_len
-        fewest, kept_cols = keep_bounds(keep, keep_range)
-        end = first + kept_cols
-        if fewest < kept_cols:
-            if cache.masked is None:
-                cache.masked = torch.zeros(cache.batch, cache.capacity, dtype=torch.bool)
-                cache.holes = [0] * cache.batch
-            holes = self._holes(cache, first)
-            # the block's entries up to the longest kept row: a row's first keep[b] are kept
-            # (never padding: a ragged block pads a row after its real positions), the rest
-            # are holes
-            masked = cache.masked.numpy()
-            for r, kept in enumerate(keep.tolist()):
-                if kept < kept_cols:
-                    masked[r, first + kept: end] = True
-                    holes[r] += kept_cols - kept
-        elif cache.masked is not None:  # every row keeps the block's entries up to the end
-            self._holes(cache, first)
-        cache.length = end
-        if cache.masked is not None and not any(cache.holes):
-            cache.masked = cache.holes = None
+        """Of the last block's ``block_len`` entries keep the first ``keep[b]`` per row: only
+        the rows' lengths move (the next block overwrites the rest)."""
+        firsts = cache.block_first
+        if firsts is None:  # no block since the last rollback: the rows' own ends
+            firsts = [n - block_len for n in cache.lengths]
+        fewest, most = keep_bounds(keep, keep_range)
+        if fewest == most:
+            cache.set_lengths([first + most for first in firsts])
+        else:
+            cache.set_lengths([first + k for first, k in zip(firsts, keep.tolist())])
+        cache.block_first = None
 
     def drop_columns(self, cache: FastCache, first: int, count: int):
-        """Remove entries ``first .. first + count - 1`` of every row (a block-causal drafter's
-        mask slots), moving the later entries forward."""
-        end = cache.length
-        for buffers in (cache.keys, cache.values):
-            for t in buffers:
-                t[:, :, first: end - count] = t[:, :, first + count: end].clone()
-        if cache.masked is not None:
-            cache.masked[:, first: end - count] = cache.masked[:, first + count: end].clone()
-            cache.holes = None  # counted again when next needed
-        cache.length = end - count
-        if cache.masked is not None and not any(self._holes(cache, cache.length)):
-            cache.masked = cache.holes = None
+        """Remove the first ``count`` positions of the block just decoded from every row (a
+        block-causal drafter's mask slots), the row's later entries of that block moving
+        forward to follow its cache. ``first``: :meth:`cache_length` before that block."""
+        firsts, pending = cache.block_first, cache._pending
+        if firsts is None or pending is None or first != max(firsts, default=0):
+            raise ValueError("drop_columns removes columns of the block just decoded")
+        layout, length = pending
+        counts = ([length] * cache.batch if layout.dense
+                  else (~layout.block_pad).sum(1).tolist())
+        kept = length - count
+        if kept > 0:
+            start = torch.tensor(firsts, dtype=torch.long).unsqueeze(1)
+            cols = torch.arange(kept).unsqueeze(0)
+            target = start + cols
+            source = (target + count).clamp_(max=cache.capacity - 1)
+            slots = cache.slot_tensor().unsqueeze(1)
+            for buffers in (cache.keys, cache.values):
+                for t in buffers:
+                    t[slots, :, target] = t[slots, :, source]
+        cache.set_lengths([f + n - count for f, n in zip(firsts, counts)])
+        cache.block_first = None
 
     def compact(self, cache: FastCache, min_holes: float = 0.5):
-        if cache.masked is None:
-            return
-        total = cache.length
-        # every row's entries but its holes: the longest row's count is what compaction keeps
-        if min(self._holes(cache, total), default=0) < max(1, min_holes * total):
-            return
-        valid = ~cache.masked[:, :total]
-        counts = valid.sum(1)
-        longest = int(counts.max()) if counts.numel() else 0
-        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :longest]
-        for buffers in (cache.keys, cache.values):
-            for t in buffers:
-                index = order.view(cache.batch, 1, longest, 1).expand(-1, t.size(1), -1, t.size(3))
-                t[:, :, :longest] = t.gather(2, index)
-        masked = cache.masked[:, :total].gather(1, order)
-        cache.length = longest
-        cache.masked[:, :longest] = masked
-        cache.holes = None  # counted again when next needed
-        if not bool(masked.any()):
-            cache.masked = None
+        """Nothing to do: rows have their own lengths, the cache has no holes."""
 
     joins_rows = True
+
+    def _more_slots(self, cache: FastCache, needed: int):
+        """Buffers with at least ``needed`` free slots: the slots so far keep their places
+        (a copy of every buffer, with room for half as many rows again, so that rows joining
+        one by one do not copy them each time)."""
+        have = cache.slots
+        total = max(have - len(cache.free) + needed, have + have // 2 + 1)
+
+        def more(t: Tensor) -> Tensor:
+            out = t.new_zeros((total,) + tuple(t.shape[1:]))
+            out[:have] = t
+            return out
+
+        # new lists: the native step's table of the buffers is rebuilt (cpu/layer_stack.py)
+        cache.keys = [more(k) for k in cache.keys]
+        cache.values = [more(v) for v in cache.values]
+        cache.enc_keys = [more(k) for k in cache.enc_keys]
+        cache.enc_values = [more(v) for v in cache.enc_values]
+        if cache.enc_attend is not None:
+            attend = cache.enc_attend.new_ones((total,) + tuple(cache.enc_attend.shape[1:]))
+            attend[:have] = cache.enc_attend
+            cache.enc_attend = attend
+        cache.free.extend(range(have, total))
+
+    @staticmethod
+    def _wider_sources(cache: FastCache, source: int):
+        """Encoder buffers of ``source`` positions per slot, the added ones masked."""
+        old = cache.enc_keys[0].size(2)
+
+        def wider(t: Tensor) -> Tensor:
+            out = t.new_zeros(t.size(0), t.size(1), source, t.size(3))
+            out[:, :, :old] = t
+            return out
+
+        cache.enc_keys = [wider(k) for k in cache.enc_keys]
+        cache.enc_values = [wider(v) for v in cache.enc_values]
+        attend = torch.zeros(cache.slots, 1, 1, source, dtype=torch.bool,
+                             device=cache.enc_keys[0].device)
+        attend[..., :old] = True if cache.enc_attend is None else cache.enc_attend
+        cache.enc_attend = attend
 
     def join_rows(self, cache: FastCache, encoder_out, rows: int,
                   sources: Optional[ProjectedSources] = None):
         """``rows`` rows join the batch of ``cache`` (a batch that has run), after its rows,
-        decoding with the batch's weights: their encoder keys and values are projected (or
-        taken from ``sources``, projected ahead with the same weights), and the entries before
-        their first are masked (holes)."""
-        keys = cache.keys[0]
+        decoding with the batch's weights: each takes a free slot (the buffers grow where none
+        is left), and its encoder keys and values are projected into it (or taken from
+        ``sources``, projected ahead with the same weights). No other row's entries move."""
         if (sources is not None and sources.weights is cache.weights
                 and sources.enc_keys[0].size(0) == rows):
             new = sources
@@ -670,97 +668,131 @@ class FastBlockDecoder(LeanBlockDecoder):
             new = FastCache()
             new.weights = cache.weights
             self._project_sources(new, encoder_out, rows)
-        old, length = cache.batch, cache.length
-        source, theirs = cache.enc_keys[0].size(2), new.enc_keys[0].size(2)
-        pad_a = None if cache.enc_attend is None else ~cache.enc_attend.view(old, -1)
-        pad_b = None if new.enc_attend is None else ~new.enc_attend.view(rows, -1)
-        if theirs <= source:  # their sources fit: written into the rows' room, padded
-            def placed(mine: Tensor, their: Tensor) -> Tensor:
-                out = _with_rows(mine, old, old + rows)
-                out[old:, :, :theirs] = their
-                return out
-
-            cache.enc_keys = [placed(a, b) for a, b in zip(cache.enc_keys, new.enc_keys)]
-            cache.enc_values = [placed(a, b) for a, b in zip(cache.enc_values, new.enc_values)]
-            pad = joined_padding(pad_a, pad_b, old, rows, source, theirs, keys.device)
-        else:  # a longer source: every row's are padded to it
-            cache.enc_keys, cache.enc_values, pad = join_sources(
-                cache.enc_keys, cache.enc_values, pad_a, new.enc_keys, new.enc_values, pad_b,
-                old, rows, source_dim=2, rows_dim=0)
-        cache.enc_attend = None if pad is None else (~pad).view(old + rows, 1, 1, -1)
-
-        # new lists: the native step's table of the buffers is rebuilt (cpu/layer_stack.py)
-        cache.keys = [_with_rows(k, old, old + rows) for k in cache.keys]
-        cache.values = [_with_rows(v, old, old + rows) for v in cache.values]
-        if length:
-            if cache.masked is None:
-                cache.masked = torch.zeros(old, cache.capacity, dtype=torch.bool,
-                                           device=keys.device)
-                cache.holes = [0] * old
-            holes = self._holes(cache, length)
-            fresh = cache.masked.new_zeros(rows, cache.capacity)
-            fresh[:, :length] = True
-            cache.masked = torch.cat([cache.masked[:old], fresh], dim=0)
-            cache.holes = holes + [length] * rows
-        elif cache.masked is not None:
-            cache.masked = torch.cat([cache.masked[:old],
-                                      cache.masked.new_zeros(rows, cache.capacity)], dim=0)
-            if cache.holes is not None:
-                cache.holes = cache.holes + [0] * rows
-        cache.batch = old + rows
+        lengths = cache.lengths
+        if len(cache.free) < rows:
+            self._more_slots(cache, rows)
+        cache.free.sort()
+        taken, cache.free = cache.free[:rows], cache.free[rows:]
+        theirs = new.enc_keys[0].size(2)
+        if theirs > cache.enc_keys[0].size(2):  # a longer source: every slot's grow to it
+            self._wider_sources(cache, theirs)
+        source = cache.enc_keys[0].size(2)
+        slots = torch.tensor(taken, dtype=torch.long)
+        for mine, their in zip(cache.enc_keys + cache.enc_values, new.enc_keys + new.enc_values):
+            mine[slots, :, :theirs] = their
+        if new.enc_attend is not None or theirs < source:
+            if cache.enc_attend is None:
+                cache.enc_attend = torch.ones(cache.slots, 1, 1, source, dtype=torch.bool,
+                                              device=cache.enc_keys[0].device)
+            attend = torch.zeros(rows, 1, 1, source, dtype=torch.bool,
+                                 device=cache.enc_attend.device)
+            attend[..., :theirs] = True if new.enc_attend is None else new.enc_attend
+            cache.enc_attend[slots] = attend
+        elif cache.enc_attend is not None:
+            cache.enc_attend[slots] = True
+        cache.slot_of = cache.slot_of + taken
+        cache._slots = None
+        cache.set_lengths(lengths + [0] * rows)
+        cache.block_first = None
 
     def reorder(self, cache: FastCache, new_order: Tensor):
-        """Keep (and reorder) batch rows; used when finished rows leave the batch.
+        """Keep (and reorder) batch rows; used when finished rows leave the batch: their slots
+        are free, and nothing is copied."""
+        order = new_order.tolist()
+        if len(set(order)) != len(order):
+            raise ValueError("the fast step's rows own their slots: a row cannot be kept twice")
+        lengths = cache.lengths
+        kept = [cache.slot_of[i] for i in order]
+        cache.free.extend(sorted(set(cache.slot_of) - set(kept)))
+        cache.slot_of = kept
+        cache._slots = None
+        cache.set_lengths([lengths[i] for i in order])
+        if cache.block_first is not None:
+            cache.block_first = [cache.block_first[i] for i in order]
 
-        Rows leaving keep the others in order: then the rows before the first one leaving stay
-        where they are, the later ones move up in place, and of the self-attention buffers only
-        the entries in use move (a copy of whole buffers, capacity included, was a visible
-        share of an iteration at batch 32)."""
-        def pick(t: Tensor) -> Tensor:
-            return t.index_select(0, new_order)
 
-        order = new_order.tolist() if new_order.device.type == "cpu" else None
-        kept = len(order) if order is not None else 0
-        if order is not None and all(r == i or r >= kept for i, r in enumerate(order)):
-            # rows from past the kept ones fill the places of rows that left (a running batch's
-            # way: engine.Batch.keep): only those rows move
-            places = [(i, r) for i, r in enumerate(order) if r != i]
-            if places:
-                def fill(t: Tensor, end: int) -> Tensor:
-                    for to, come in places:  # a few rows: a copy each costs least
-                        t[to, :, :end].copy_(t[come, :, :end])
-                    return t[:kept]
-            else:
-                def fill(t: Tensor, end: int) -> Tensor:
-                    return t[:kept]
+class _NativeAttention:
+    """A call's attention on the native kernel (native/layers.c ``pardec_attention``), between
+    products of a library kernel: the same slots, cache and arithmetic as the native layer
+    stack."""
 
-            cache.keys = [fill(k, cache.length) for k in cache.keys]
-            cache.values = [fill(v, cache.length) for v in cache.values]
-            cache.enc_keys = [fill(k, k.size(2)) for k in cache.enc_keys]
-            cache.enc_values = [fill(v, v.size(2)) for v in cache.enc_values]
-        elif order is not None and all(a < b for a, b in zip(order, order[1:])):
-            first = next((i for i, r in enumerate(order) if r != i), len(order))
-            moved = new_order[first:]
-            used = cache.length
+    def __init__(self, kernel, cache: FastCache, layout: BlockLayout, row_first: Tensor):
+        self.kernel, self.cache = kernel, cache
+        self.rows, self.batch = layout.size, layout.batch
+        self.index = 0 if layout.index is None else layout.index.contiguous().data_ptr()
+        self.row_first, self.slots = row_first, cache.slot_tensor()
+        self.threads = torch.get_num_threads()
 
-            def keep(t: Tensor, end: int) -> Tensor:
-                if first < len(order):
-                    t[first: len(order), :, :end] = t[:, :, :end].index_select(0, moved)
-                return t[: len(order)]
+    def _call(self, heads, dim, entries, cross, keys, values, flags, x: Tensor) -> Tensor:
+        x = x.contiguous()
+        out = x.new_empty(self.rows, heads * dim)
+        dims = (ctypes.c_int64 * ATTENTION_DIMS)(self.rows, self.batch, heads, dim, entries,
+                                                 self.threads, cross)
+        self.kernel.attention(ctypes.addressof(dims), self.index, self.row_first.data_ptr(),
+                              self.slots.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                              0 if flags is None else flags.data_ptr(), x.data_ptr(),
+                              out.data_ptr())
+        return out
 
-            cache.keys = [keep(k, used) for k in cache.keys]
-            cache.values = [keep(v, used) for v in cache.values]
-            cache.enc_keys = [keep(k, k.size(2)) for k in cache.enc_keys]
-            cache.enc_values = [keep(v, v.size(2)) for v in cache.enc_values]
+    def self_attention(self, i: int, layer, qkv: Tensor) -> Tensor:
+        cache = self.cache
+        return self._call(layer.heads, layer.head_dim, cache.capacity, 0, cache.keys[i],
+                          cache.values[i], None, qkv)
+
+    def cross_attention(self, i: int, layer, q: Tensor) -> Tensor:
+        cache = self.cache
+        return self._call(layer.cross_heads, layer.cross_head_dim, cache.enc_keys[i].size(2), 1,
+                          cache.enc_keys[i], cache.enc_values[i], cache.enc_attend, q)
+
+
+class _TorchAttention:
+    """A call's attention in torch operations (the native kernel off, or a drafter's own block
+    mask): the block's keys and values are written to each row's slot, and the rows' entries
+    read back in batch order (a copy where the rows do not own the first slots in order)."""
+
+    def __init__(self, cache: FastCache, layout: BlockLayout, row_first: Tensor, total: int,
+                 block_mask: Optional[Tensor]):
+        self.cache, self.layout, self.total = cache, layout, total
+        bsz, length = layout.batch, layout.length
+        place = (torch.arange(bsz * length) if layout.index is None else layout.index)
+        row, time = place % bsz, place // bsz
+        self.slot = cache.slot_tensor().index_select(0, row)
+        self.at = row_first.index_select(0, row) + time
+        # (B, L, total): may the block's position l of row b read entry j
+        entry = torch.arange(total)
+        relative = entry.unsqueeze(0) - row_first.unsqueeze(1)  # (B, total)
+        if block_mask is None:
+            allowed = relative.unsqueeze(1) <= torch.arange(length).view(1, length, 1)
         else:
-            cache.keys = [pick(k) for k in cache.keys]
-            cache.values = [pick(v) for v in cache.values]
-            cache.enc_keys = [pick(k) for k in cache.enc_keys]
-            cache.enc_values = [pick(v) for v in cache.enc_values]
-        if cache.masked is not None:
-            cache.masked = pick(cache.masked)
-            if cache.holes is not None:
-                cache.holes = [cache.holes[i] for i in new_order.tolist()]
-        if cache.enc_attend is not None:
-            cache.enc_attend = pick(cache.enc_attend)
-        cache.batch = new_order.numel()
+            inside_block = (relative >= 0) & (relative < length)
+            at = relative.clamp(0, length - 1)
+            inside = (block_mask > float("-inf"))[:, at].permute(1, 0, 2)  # (B, L, total)
+            real = (~layout.block_pad).gather(1, at)
+            allowed = (relative < 0).unsqueeze(1) | (inside_block & real).unsqueeze(1) & inside
+        self.mask = _additive(allowed.unsqueeze(1))
+        self.enc_mask = (None if cache.enc_attend is None
+                         else _additive(cache.rows_of(cache.enc_attend)))
+
+    def self_attention(self, i: int, layer, qkv: Tensor) -> Tensor:
+        cache, layout = self.cache, self.layout
+        heads, head_dim = layer.heads, layer.head_dim
+        parts = qkv.view(-1, 3, heads, head_dim)
+        cache.keys[i][self.slot, :, self.at] = parts[:, 1]
+        cache.values[i][self.slot, :, self.at] = parts[:, 2]
+        q = layout.unpack_time_major(parts[:, 0]).permute(1, 2, 0, 3)  # (B, heads, L, dim)
+        keys = cache.rows_of(cache.keys[i])[:, :, : self.total]
+        values = cache.rows_of(cache.values[i])[:, :, : self.total]
+        return self._pack(_attention(q, keys, values, self.mask))
+
+    def cross_attention(self, i: int, layer, q: Tensor) -> Tensor:
+        cache, layout = self.cache, self.layout
+        q = layout.unpack_time_major(q.view(-1, layer.cross_heads, layer.cross_head_dim))
+        keys = cache.rows_of(cache.enc_keys[i])
+        values = cache.rows_of(cache.enc_values[i])
+        return self._pack(_attention(q.permute(1, 2, 0, 3), keys, values, self.enc_mask))
+
+    def _pack(self, out: Tensor) -> Tensor:
+        """(B, heads, L, head_dim) attention output -> (N, heads * head_dim), packed rows."""
+        bsz, heads, length, head_dim = out.shape
+        return self.layout.pack_time_major(
+            out.permute(2, 0, 1, 3).reshape(length, bsz, heads * head_dim))

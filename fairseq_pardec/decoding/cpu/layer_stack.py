@@ -156,7 +156,7 @@ class NativeLayerStack:
         return address, table
 
     def _run(self, x: Tensor, state, index, masked, enc_attend, batch, length, first, capacity,
-             source, owned: bool = False, dims=None) -> Tensor:
+             source, owned: bool = False, dims=None, row_first=None, slot_of=None) -> Tensor:
         """The layers on the rows ``x``, in place where ``owned`` (a buffer of the caller's
         that nobody else reads), else on a copy."""
         out = x if owned and x.is_contiguous() else x.contiguous().clone()
@@ -164,7 +164,7 @@ class NativeLayerStack:
         self.kernel.decoder_layers(
             address, ctypes.addressof(self._weights), ctypes.addressof(self._eps),
             ctypes.addressof(state), _address(index), _address(masked), _address(enc_attend),
-            out.data_ptr())
+            _address(row_first), _address(slot_of), out.data_ptr())
         return out
 
     @staticmethod
@@ -204,21 +204,23 @@ class NativeLayerStack:
             weight.size(1), out.data_ptr())
         return None if failed else out
 
-    def __call__(self, x: Tensor, cache, index: Optional[Tensor], batch: int, first: int,
+    def __call__(self, x: Tensor, cache, index: Optional[Tensor], batch: int, row_first: Tensor,
                  length: int, owned: bool = False) -> Tensor:
         """The decoder layers' output for the packed rows ``x`` (N, C): ``x`` itself, written
-        over, where ``owned`` (see :meth:`_run`), else a new tensor; the rows' keys and values
-        are written to the cache at ``[first, first + length)``. ``index``: the packed rows'
-        places in the (length, batch) time-major grid (None: dense)."""
+        over, where ``owned`` (see :meth:`_run`), else a new tensor; each row's keys and values
+        are written to its slot (``cache.slot_of``) at ``[row_first[b], row_first[b] +
+        length)``. ``index``: the packed rows' places in the (length, batch) time-major grid
+        (None: dense)."""
         state = self._state_table(cache)
         dims = cache.native_dims
         if dims is None:
-            table = np.array(self._dims(x.size(0), batch, length, first, cache.keys[0].size(2),
+            table = np.array(self._dims(x.size(0), batch, length, 0, cache.keys[0].size(2),
                                         cache.enc_keys[0].size(2))[1], dtype=np.int64)
             dims = cache.native_dims = (table, table.ctypes.data)
-        return self._run(x, state, None if index is None else index.contiguous(), cache.masked,
-                         cache.enc_attend, batch, length, first, cache.keys[0].size(2),
-                         cache.enc_keys[0].size(2), owned, dims)
+        return self._run(x, state, None if index is None else index.contiguous(), None,
+                         cache.enc_attend, batch, length, 0, cache.keys[0].size(2),
+                         cache.enc_keys[0].size(2), owned, dims, row_first.contiguous(),
+                         cache.slot_tensor())
 
     def encode(self, x: Tensor, padding: Optional[Tensor], batch: int, length: int) -> Tensor:
         """The encoder layers' output for ``x`` (batch * length, C), batch-major rows, a new

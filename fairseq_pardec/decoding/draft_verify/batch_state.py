@@ -238,7 +238,8 @@ class Batch:
         joined = None
         if not self.step.reads_encoder_out(self.cache):  # started: the new rows join it
             self.step.join_rows(self.cache, other.encoder_out, count, sources)
-            # their entries before their first are holes, which fairseq's steps never have
+            # the lean step's cache has entries before their first (holes), which fairseq's
+            # steps never have
             self.exact_so_far = False
         else:  # not run yet: its first call projects every row's encoder output
             joined = join_encoder_outs(self.encoder_out, len(self.rows_host) - count,

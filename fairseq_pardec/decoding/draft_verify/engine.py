@@ -37,8 +37,10 @@ device (draft_verify/margin_guard.py). float32 CUDA products set to TF32 are ref
 float16/bfloat16 no bound is claimed and no guard runs: outputs are not guaranteed identical.
 
 A running batch (``open``, ``join``, ``iterate``, ``leave``: the server's) takes rows between
-iterations: their encoder runs once, their drafter state starts, and their cache entries follow
-the running rows' (step.join_rows), the entries before their first being holes to them. Each
+iterations: their encoder runs once, their drafter state starts, and each takes a cache slot of
+its own (step.join_rows; the fast step's rows are slots, and a row that leaves frees one: no
+other row's entries move; the lean step appends them, the entries before their first being
+holes to them). Each
 row's length limit is then its own (``--max-len-a`` x its source length + ``--max-len-b``), and
 a close call replays its own sentence: its output is the one ``--batch-size 1`` gives it.
 

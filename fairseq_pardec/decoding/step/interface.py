@@ -91,7 +91,7 @@ class DecoderStep(Protocol):
 
     def join_rows(self, state: Any, encoder_out, rows: int, sources: Any = None) -> None:
         """``rows`` rows join the batch of ``state``, after its rows, with ``encoder_out``
-        their encoder's output: the cache entries before their first are holes to them.
+        their encoder's output; their cache starts empty, and no running row's changes.
         ``sources``: their sources as ``project_sources`` projected them ahead (rows taken
         from it), where the step made such a thing."""
 
@@ -120,8 +120,9 @@ class DrafterStep(DecoderStep, Protocol):
         the block where it is not causal (the cache stays visible to every position)."""
 
     def cache_length(self, state: Any) -> int:
-        """The entries in ``state`` (holes included)."""
+        """The longest row's entries in ``state`` (holes included, where a step has them)."""
 
     def drop_columns(self, state: Any, first: int, count: int) -> None:
-        """Remove entries ``first .. first + count - 1`` of every row, moving the later ones
-        forward."""
+        """Remove the first ``count`` positions of the block just decoded from every row,
+        moving the row's later entries forward; ``first``: :meth:`cache_length` before that
+        block."""
