@@ -94,20 +94,24 @@ def test_fast_log_probs_within_the_guards_bound(overrides, ragged, kernel):
 
 
 @pytest.mark.parametrize("overrides", ARCHITECTURES)
-@pytest.mark.parametrize("kernel", [None, NATIVE, "native products"],
-                         ids=["measured", "native", "native-products"])
+@pytest.mark.parametrize("kernel", [None, NATIVE, "native products", "torch attention"],
+                         ids=["measured", "native", "native-products", "torch-attention"])
 def test_fast_encoder_output_is_fairseqs(overrides, kernel):
     """The fast encoder's dictionary is fairseq's: the same entries, masks and lengths, states
     within float32 rounding, on padded batches and on one sentence; the engine encodes with it
     only where it computes fairseq's function. With the native kernel the layers run as one
-    native call (cpu/layer_stack.py), or as torch operations around native products. Where a
+    native call (cpu/layer_stack.py), or as torch operations around native products and native
+    attention; with a library kernel, the attention is native or torch's. Where a
     batch is mostly padding its products run on the real positions alone, and its padding
     positions hold zeros (every reader masks them)."""
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=34, **overrides)
     assert fast_encoder_supported(model.encoder)
     encode = FastEncoder(model.encoder)
-    if kernel is not None:
+    if kernel == "torch attention":
+        encode.kernels.pin(MKL)
+        encode.native_attention = False
+    elif kernel is not None:
         if native_kernel() is None:
             pytest.skip("no native kernel here: %s" % native_unavailable_reason())
         encode.kernels.pin(NATIVE)

@@ -45,7 +45,9 @@ enum { W_QKV, W_QKV_B, W_OUT, W_OUT_B, W_CQ, W_CQ_B, W_CO, W_CO_B, W_FC1, W_FC1_
 enum { S_KEYS, S_VALUES, S_ENC_KEYS, S_ENC_VALUES, S_COUNT };
 
 /* pardec_attention's dims, in this order */
-enum { A_ROWS, A_BATCH, A_HEADS, A_DIM, A_ENTRIES, A_THREADS, A_CROSS, A_COUNT };
+enum { A_ROWS, A_BATCH, A_HEADS, A_DIM, A_ENTRIES, A_THREADS, A_MODE, A_COUNT };
+/* pardec_attention's modes */
+enum { A_DECODER_SELF, A_DECODER_CROSS, A_ENCODER_SELF };
 
 int PARDEC_API(pardec_layers_abi)(void) {
     return A_COUNT * 1000000 + D_COUNT * 10000 + W_COUNT * 100 + S_COUNT;
@@ -365,33 +367,40 @@ void PARDEC_API(pardec_decoder_layers)(const int64_t *dims, const int64_t *weigh
     free(row_at);
 }
 
-/* One layer's attention alone, for the fast step where a library kernel runs the products
- * (cpu/fast.py): the same cache, slots and arithmetic as pardec_decoder_layers. dims:
- * A_COUNT values (see the enum); index, row_first, slot_of: as for pardec_decoder_layers.
- * A_CROSS = 0: ``in`` is the packed rows' (rows, 3 * heads * dim) queries, keys and values,
- * the keys and values are written to ``keys``/``values`` (slots, heads, A_ENTRIES, dim), and
- * each query attends causally to its row's entries; flags: NULL. A_CROSS = 1: ``in`` is the
- * rows' (rows, heads * dim) queries, attending to all A_ENTRIES source positions of their
- * slots' encoder keys and values; flags: (slots, A_ENTRIES) nonzero where real, or NULL.
+/* One layer's attention alone, for the fast step and the fast encoder where a library kernel
+ * runs the products (cpu/fast.py, cpu/fast_encoder.py): the same cache, slots and arithmetic as
+ * pardec_decoder_layers. dims: A_COUNT values (see the enum). By A_MODE:
+ * - A_DECODER_SELF: ``in`` is a block's packed rows' (rows, 3 * heads * dim) queries, keys and
+ *   values; index, row_first, slot_of as for pardec_decoder_layers. The keys and values are
+ *   written to ``keys``/``values`` (slots, heads, A_ENTRIES, dim) and each query attends
+ *   causally to its row's entries; flags: NULL.
+ * - A_DECODER_CROSS: ``in`` is the rows' (rows, heads * dim) queries, attending to all
+ *   A_ENTRIES source positions of their slots' encoder keys and values; flags: (slots,
+ *   A_ENTRIES) nonzero where real, or NULL.
+ * - A_ENCODER_SELF: ``in`` is an encoder layer's (rows, 3 * heads * dim) queries, keys and
+ *   values at the places ``index`` (NULL: every place) of the batch-major (A_BATCH, A_ENTRIES)
+ *   grid; the keys and values go to ``keys``/``values`` (A_BATCH, heads, A_ENTRIES, dim), and
+ *   each query attends to its sentence's positions; flags: (A_BATCH, A_ENTRIES) nonzero at
+ *   padding (never read, written or not), or NULL; row_first, slot_of: NULL.
  * out: (rows, heads * dim). */
 void PARDEC_API(pardec_attention)(const int64_t *dims, const int64_t *index,
                                    const int64_t *row_first, const int64_t *slot_of,
                                    float *keys, float *values, const uint8_t *flags,
                                    const float *in, float *out) {
     const int64_t rows = dims[A_ROWS], heads = dims[A_HEADS], dim = dims[A_DIM];
-    const int64_t entries = dims[A_ENTRIES];
+    const int64_t entries = dims[A_ENTRIES], mode = dims[A_MODE];
+    const int encoder = mode == A_ENCODER_SELF;
     int64_t *row_slot = malloc(sizeof(int64_t) * rows), *row_at = malloc(sizeof(int64_t) * rows);
-    const int64_t keys_seen = place_rows(rows, index, dims[A_BATCH], 0, 0, 0, row_first,
-                                         slot_of, row_slot, row_at);
-    if (dims[A_CROSS]) {
-        const int team = attention_threads(rows, heads, entries, dim, (int)dims[A_THREADS]);
+    const int64_t keys_seen = place_rows(rows, index, dims[A_BATCH], entries, encoder, 0,
+                                         row_first, slot_of, row_slot, row_at);
+    const int team = attention_threads(rows, heads, mode == A_DECODER_CROSS ? entries : keys_seen,
+                                       dim, (int)dims[A_THREADS]);
+    if (mode == A_DECODER_CROSS)
         cross_attention(rows, heads, dim, entries, row_slot, row_at, keys, values, flags, in,
                         out, team);
-    } else {
-        const int team = attention_threads(rows, heads, keys_seen, dim, (int)dims[A_THREADS]);
-        self_attention(rows, heads, dim, entries, -1, row_slot, row_at, keys, values, in, NULL,
-                       out, team);
-    }
+    else
+        self_attention(rows, heads, dim, entries, encoder ? entries : -1, row_slot, row_at,
+                       keys, values, in, encoder ? flags : NULL, out, team);
     free(row_slot);
     free(row_at);
 }

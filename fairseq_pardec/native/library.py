@@ -69,6 +69,8 @@ OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 # the tables pardec_decoder_layers reads (native/layers.c): dims, per-layer weight pointers,
 # per-layer cache pointers; and pardec_attention's dims; their sizes, as the library reports them
 LAYER_DIMS, LAYER_WEIGHTS, LAYER_STATE, ATTENTION_DIMS = 16, 18, 4, 7
+# pardec_attention's modes (native/layers.c)
+DECODER_SELF, DECODER_CROSS, ENCODER_SELF = 0, 1, 2
 LAYERS_ABI = ATTENTION_DIMS * 1000000 + LAYER_DIMS * 10000 + LAYER_WEIGHTS * 100 + LAYER_STATE
 # pardec_decide_rows's argument table (native/decide.c's DECIDE_SLOTS, in its order), by the
 # party that fills each part: per iteration the reading and the block, the symbol EOS, per batch

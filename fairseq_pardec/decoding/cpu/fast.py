@@ -46,7 +46,8 @@ from torch import Tensor
 from fairseq_pardec.decoding.step.block_layout import BlockLayout
 from fairseq_pardec.decoding.step.block_decoder import keep_bounds, normalised
 from fairseq_pardec.decoding.cpu.layer_stack import NativeLayerStack
-from fairseq_pardec.native.library import ATTENTION_DIMS, native_kernel
+from fairseq_pardec.native.library import (ATTENTION_DIMS, DECODER_CROSS, DECODER_SELF,
+                                            native_kernel)
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 from fairseq_pardec.decoding.step.margins import CPU_FP32_MARGIN
 from fairseq_pardec.decoding.step.output_projection import plain_output_projection
@@ -723,11 +724,11 @@ class _NativeAttention:
         self.row_first, self.slots = row_first, cache.slot_tensor()
         self.threads = torch.get_num_threads()
 
-    def _call(self, heads, dim, entries, cross, keys, values, flags, x: Tensor) -> Tensor:
+    def _call(self, heads, dim, entries, mode, keys, values, flags, x: Tensor) -> Tensor:
         x = x.contiguous()
         out = x.new_empty(self.rows, heads * dim)
         dims = (ctypes.c_int64 * ATTENTION_DIMS)(self.rows, self.batch, heads, dim, entries,
-                                                 self.threads, cross)
+                                                 self.threads, mode)
         self.kernel.attention(ctypes.addressof(dims), self.index, self.row_first.data_ptr(),
                               self.slots.data_ptr(), keys.data_ptr(), values.data_ptr(),
                               0 if flags is None else flags.data_ptr(), x.data_ptr(),
@@ -736,13 +737,14 @@ class _NativeAttention:
 
     def self_attention(self, i: int, layer, qkv: Tensor) -> Tensor:
         cache = self.cache
-        return self._call(layer.heads, layer.head_dim, cache.capacity, 0, cache.keys[i],
-                          cache.values[i], None, qkv)
+        return self._call(layer.heads, layer.head_dim, cache.capacity, DECODER_SELF,
+                          cache.keys[i], cache.values[i], None, qkv)
 
     def cross_attention(self, i: int, layer, q: Tensor) -> Tensor:
         cache = self.cache
-        return self._call(layer.cross_heads, layer.cross_head_dim, cache.enc_keys[i].size(2), 1,
-                          cache.enc_keys[i], cache.enc_values[i], cache.enc_attend, q)
+        return self._call(layer.cross_heads, layer.cross_head_dim, cache.enc_keys[i].size(2),
+                          DECODER_CROSS, cache.enc_keys[i], cache.enc_values[i], cache.enc_attend,
+                          q)
 
 
 class _TorchAttention:

@@ -7,8 +7,10 @@ computes the same function as :class:`~fairseq.models.transformer.TransformerEnc
 the fast decoder step's means (cpu/fast.py): one product for queries, keys and values per layer
 with the query scaling folded into its weight, each product on the kernel measured faster for its
 row count (cpu/products.py, the decoder's own choice), ReLU fused into the first feed-forward
-product, and ``F.scaled_dot_product_attention`` over the unpadded keys; where its products run
-on the native kernel, all its layers run as one native call (cpu/layer_stack.py).
+product, and attention over the unpadded keys, on the native kernel where it loads (each real
+position's query reads its own sentence's keys: a batch of sentences far apart in length costs
+its real positions, not its padded square), else ``F.scaled_dot_product_attention``; where its
+products run on the native kernel, all its layers run as one native call (cpu/layer_stack.py).
 
 It rounds differently from fairseq's modules, as the fast decoder step does; the margin guard
 (cpu/fast.py, DEFAULT_MARGIN) covers the two together: tests/test_fast_step.py measures the
@@ -17,6 +19,7 @@ The output is fairseq's encoder output dictionary, so everything downstream (dra
 when rows finish, fairseq's own search deciding close calls) reads it unchanged.
 """
 
+import ctypes
 from typing import Dict, List, Optional
 
 import torch
@@ -27,6 +30,7 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from fairseq_pardec.decoding.cpu.layer_stack import NativeLayerStack
+from fairseq_pardec.native.library import ATTENTION_DIMS, ENCODER_SELF, native_kernel
 from fairseq_pardec.decoding.cpu.products import (NATIVE, PACK_BELOW, FeedForward, KernelChoice,
                                                   Linear, query_key_value)
 from fairseq_pardec.decoding.step.weights_key import PREPARE_LOCK, WeightsKey
@@ -95,6 +99,8 @@ class FastEncoder:
         # natively: cpu/layer_stack.py), swapped whole when rebuilt: a batch reads one version
         self._weights: Optional[_EncoderWeights] = None
         self.native_stack = True
+        # else the attention on the native kernel between library products, where it loads
+        self.native_attention = True
 
     def _prepared(self) -> _EncoderWeights:
         """The layers' weights in the fast layout, rebuilt when any may have changed
@@ -149,7 +155,8 @@ class FastEncoder:
         else:
             # attention reads every real key; None lets the kernel skip the mask
             attend = (~padding).view(bsz, 1, 1, length) if has_pads else None
-            x = self._torch_layers(x, weights.layers, kernel, attend, bsz, length, real)
+            native = native_kernel() if self.native_attention else None
+            x = self._torch_layers(x, weights.layers, kernel, attend, bsz, length, real, native)
         if enc.layer_norm is not None:
             x = enc.layer_norm(x)
         if real is not None:  # back in place; padding positions hold zeros, read by no one
@@ -187,33 +194,68 @@ class FastEncoder:
     @staticmethod
     def _torch_layers(x: Tensor, layers: List[_EncoderLayer], kernel: str,
                       attend: Optional[Tensor], bsz: int, length: int,
-                      real: Optional[Tensor] = None) -> Tensor:
+                      real: Optional[Tensor] = None, native=None) -> Tensor:
         """The layers as torch operations around the products, on (bsz * length, C) rows;
         returns the rows at ``real`` (positions into them) only, where given: then every
         position-wise product runs on the real positions alone, and only attention sees the
-        padded layout."""
+        padded layout. ``native``: the native kernel whose attention runs (None: torch's)."""
         dim = x.size(1)
+        attention = (_NativeEncoderAttention(native, layers[0], x, attend, bsz, length, real)
+                     if native is not None else None)
         placed = None
         if real is not None:
             x = x.index_select(0, real)
-            # the padded layout attention reads; its padding rows stay zero
-            placed = x.new_zeros(bsz * length, 3 * dim)
+            if attention is None:
+                # the padded layout attention reads; its padding rows stay zero
+                placed = x.new_zeros(bsz * length, 3 * dim)
         for layer in layers:
             norm_attn = layer.norm_attn
             residual = x
             if layer.pre_norm:
                 x = norm_attn(x)
             qkv = layer.qkv(x, kernel)
-            if placed is not None:
-                qkv = placed.index_copy_(0, real, qkv)
-            qkv = qkv.view(bsz, length, 3, layer.heads, layer.head_dim)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, S, head_dim)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=1.0)
-            out = out.permute(0, 2, 1, 3).reshape(bsz * length, dim)
-            if real is not None:
-                out = out.index_select(0, real)
+            if attention is not None:
+                out = attention(qkv)
+            else:
+                if placed is not None:
+                    qkv = placed.index_copy_(0, real, qkv)
+                qkv = qkv.view(bsz, length, 3, layer.heads, layer.head_dim)
+                q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, S, head_dim)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=1.0)
+                out = out.permute(0, 2, 1, 3).reshape(bsz * length, dim)
+                if real is not None:
+                    out = out.index_select(0, real)
             x = layer.out(out, kernel, add=residual)
             if not layer.pre_norm:
                 x = norm_attn(x)
             x = layer.ffn(x, kernel)
         return x
+
+
+class _NativeEncoderAttention:
+    """An encoder layer's self-attention on the native kernel (native/layers.c
+    ``pardec_attention``): the rows' keys and values go to one scratch buffer the layers share,
+    and each query reads its own sentence's real keys."""
+
+    def __init__(self, kernel, layer: _EncoderLayer, x: Tensor, attend: Optional[Tensor],
+                 bsz: int, length: int, real: Optional[Tensor]):
+        heads, head_dim = layer.heads, layer.head_dim
+        self.kernel, self.width = kernel, heads * head_dim
+        self.rows = x.size(0) if real is None else real.numel()
+        self.keys = x.new_zeros(bsz, heads, length, head_dim)
+        self.values = x.new_zeros(bsz, heads, length, head_dim)
+        self.index = None if real is None else real.contiguous()
+        # nonzero at padding: a key no query reads
+        self.flags = None if attend is None else (~attend).reshape(bsz, length).contiguous()
+        self.dims = (ctypes.c_int64 * ATTENTION_DIMS)(
+            self.rows, bsz, heads, head_dim, length, torch.get_num_threads(), ENCODER_SELF)
+
+    def __call__(self, qkv: Tensor) -> Tensor:
+        qkv = qkv.contiguous()
+        out = qkv.new_empty(self.rows, self.width)
+        self.kernel.attention(ctypes.addressof(self.dims),
+                              0 if self.index is None else self.index.data_ptr(), 0, 0,
+                              self.keys.data_ptr(), self.values.data_ptr(),
+                              0 if self.flags is None else self.flags.data_ptr(),
+                              qkv.data_ptr(), out.data_ptr())
+        return out
