@@ -17,9 +17,11 @@ then walks each row's block once, for every generator and device:
 
 Rows whose every position is plain (no forced token, a lossless rule, no tie, a certain lead)
 are walked by the native library (native/decide.c), the others by :func:`walk_row`; both
-write the kept tokens and scores into the batch's host tables. Speculative sampling decides on
-the device (speculative.py); :func:`sampled` reads what it decided, in one transfer too, and
-keeps it the same way. Either way the engine gets an :class:`Outcome` of arrays.
+write the kept tokens and scores into the batch's host tables. With speculative sampling the
+draws are made on the device (speculative.py: which draft tokens are accepted, the token drawn
+after them); :func:`read_sampled` reads them in one transfer too, and :func:`walk_row` keeps
+them as it keeps a relaxed rule's verdicts. Either way the engine gets an :class:`Outcome` of
+arrays.
 """
 
 from typing import List, Optional
@@ -58,11 +60,22 @@ class Reading:
     """The host's copy of what the decisions read per packed position: ``top`` (N, 2) float32
     [best, second] log-probabilities, ``best`` (N,) int64 the first token holding the best, and
     where needed ``forced_lp`` (the forced prefix token's), ``draft_lp`` and ``verdict`` (the
-    draft token judged there); ``addresses``: those of ``top`` and ``best``."""
+    draft token judged there); ``addresses``: those of ``top`` and ``best``.
 
-    def __init__(self, top, best, addresses, forced_lp=None, draft_lp=None, verdict=None):
+    With speculative sampling (:func:`read_sampled`) ``best`` is the token sampling put at
+    each position (the draft token where it accepted it, the token it drew at a row's first
+    other position), ``best_lp`` its log-probability, ``verdict`` 1.0 where the draft token was
+    accepted, and ``top`` is None."""
+
+    def __init__(self, top, best, addresses, forced_lp=None, draft_lp=None, verdict=None,
+                 best_lp=None):
         self.top, self.best, self.addresses = top, best, addresses
         self.forced_lp, self.draft_lp, self.verdict = forced_lp, draft_lp, verdict
+        self.best_lp = best_lp
+
+    @property
+    def sampled(self) -> bool:
+        return self.best_lp is not None
 
 
 def read_positions(generator, batch, block, lprobs: Tensor, forced: Optional[Tensor],
@@ -105,6 +118,21 @@ def read_positions(generator, batch, block, lprobs: Tensor, forced: Optional[Ten
     return Reading(top, best, (top.ctypes.data, best.ctypes.data), forced_lp, draft_lp, verdict)
 
 
+def read_sampled(generator, block, lprobs: Tensor, n_acc: Tensor, grid: Tensor) -> Reading:
+    """The one read of an iteration with speculative sampling (speculative.py decided on the
+    device: ``n_acc`` (B,) draft tokens accepted per row, ``grid`` (B, L) holding the token
+    drawn at each row's position ``n_acc``): per packed position the token sampling put there,
+    its log-probability and whether it is an accepted draft token, in one transfer."""
+    layout = block.layout
+    accepted = block.cols < n_acc.unsqueeze(1)  # (B, L)
+    tokens = layout.pack(grid)
+    columns = [tokens.to(torch.float64), lprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).double(),
+               layout.pack(accepted).double()]
+    host = generator.read(torch.stack(columns, 1)).numpy()
+    best = host[:, 0].astype(np.int64)
+    return Reading(None, best, None, draft_lp=host[:, 1], verdict=host[:, 2], best_lp=host[:, 1])
+
+
 def _forced_tokens(batch, r: int, n_out: int, length: int):
     """The row's forced prefix tokens at its block positions (None where nothing is forced)."""
     prefix = batch.prefix_host
@@ -145,7 +173,7 @@ def decide(generator, batch, block, reading: Reading, lprobs: Tensor,
     else:
         rows = range(block.rows)
         outcome.ended_rows = 0
-    top = reading.top.tolist()
+    top = None if reading.top is None else reading.top.tolist()
     for r in rows:
         keep_row(batch, outcome, r, *walk_row(generator, batch, block, reading, top, lprobs,
                                                bos_token, r))
@@ -178,7 +206,7 @@ def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], 
     draft, length, row_pos = block.drafts[r], int(block.lengths[r]), block.pos[r].tolist()
     n_out = int(batch.n_out_np[r])
     forced = _forced_tokens(batch, r, n_out, length) if reading.forced_lp is not None else None
-    least = rule.least_accepted(length)
+    least = 0 if reading.sampled else rule.least_accepted(length)
     score = batch.prev_score[r]
     tokens, scores = [], []
     accepted = 0
@@ -186,7 +214,9 @@ def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], 
     for j in range(length + 1):
         at = row_pos[j]
         close = False
-        if forced is not None and forced[j] is not None:
+        if reading.sampled:  # the token speculative sampling put here
+            token, lp = int(best[at]), reading.best_lp[at]
+        elif forced is not None and forced[j] is not None:
             token, lp = forced[j], reading.forced_lp[at]
         else:
             first, second = top[at]
@@ -210,8 +240,11 @@ def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], 
         if j < length and not close:
             # the rule's run of accepted tokens from the left, and at least ``least`` tokens
             # whatever it says (MinimumBlock: the longer of the two)
-            run = run and (draft[j] == token or rule.host_ok(
-                draft[j], token, reading.verdict[at] if reading.verdict is not None else 0.0))
+            if reading.sampled:  # its draws accepted this draft token, or did not
+                run = run and reading.verdict[at] > 0.5
+            else:
+                run = run and (draft[j] == token or rule.host_ok(
+                    draft[j], token, reading.verdict[at] if reading.verdict is not None else 0.0))
             kept = run or j < least
             if kept and draft[j] != token:
                 token, lp = draft[j], reading.draft_lp[at]
@@ -222,33 +255,3 @@ def walk_row(generator, batch, block, reading: Reading, top: List[List[float]], 
         if token == eos or not kept:
             break
     return tokens, scores, accepted, at, score
-
-
-def sampled(generator, batch, block, lprobs: Tensor, n_acc: Tensor, grid: Tensor) -> Outcome:
-    """What speculative sampling decided on the device (``n_acc`` accepted draft tokens per row,
-    ``grid`` holding the drawn token at each row's position ``n_acc``), read in one transfer
-    and kept as :func:`decide` keeps its rows."""
-    ar, layout = block.ar, block.layout
-    own = grid[ar, n_acc]
-    own_lp = lprobs[layout.at(ar, n_acc), own]
-    parts = [n_acc.to(lprobs.dtype).unsqueeze(1), own.to(lprobs.dtype).unsqueeze(1),
-             own_lp.unsqueeze(1)]
-    if block.width > 0:
-        parts.append(lprobs[block.draft_pos, block.draft])
-    host = generator.read(torch.cat(parts, 1).double()).tolist()
-    eos, outcome = generator.eos, batch.outcome()
-    outcome.ended_rows = 0
-    for r, row in enumerate(host):
-        accepted, token, lp = int(row[0]), int(row[1]), row[2]
-        draft = block.drafts[r][:accepted]
-        tokens, lps = draft + [token], row[3: 3 + accepted] + [lp]
-        if eos in draft:  # a drawn draft ends at its EOS
-            end = draft.index(eos) + 1
-            tokens, lps, accepted = tokens[:end], lps[:end], end
-        score, scores = batch.prev_score[r], []
-        for lp in lps:
-            score = score + _f32(lp)  # float32 + float32: rounded to float32
-            scores.append(float(score))
-        keep_row(batch, outcome, r, tokens, scores, min(accepted, int(row[0])),
-                 int(block.pos[r][len(tokens) - 1]), score)
-    return outcome

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from fairseq_pardec.decoding.fairseq_rules import block_edits
 from fairseq_pardec.decoding.draft_verify.batch_state import Batch, Block, to_device
-from fairseq_pardec.decoding.draft_verify.decisions import decide, read_positions, sampled
+from fairseq_pardec.decoding.draft_verify.decisions import decide, read_positions, read_sampled
 from fairseq_pardec.decoding.draft_verify.drafters.base import DraftOutcome, Drafter, DraftView
 
 
@@ -107,8 +107,9 @@ def decide_rows(generator, batch: Batch, block: Block, lprobs: Tensor, forced, n
     ``--sampling``, by speculative sampling)."""
     if generator.sampler is not None:
         n_acc, grid = generator.sampler.decide(lprobs, forced, block)
-        return sampled(generator, batch, block, lprobs, n_acc, grid)
-    reading = read_positions(generator, batch, block, lprobs, forced, native)
+        reading = read_sampled(generator, block, lprobs, n_acc, grid)
+    else:
+        reading = read_positions(generator, batch, block, lprobs, forced, native)
     return decide(generator, batch, block, reading, lprobs, batch.bos_token)
 
 

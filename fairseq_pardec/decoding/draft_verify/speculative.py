@@ -114,8 +114,9 @@ class SpeculativeSampler:
         ``lprobs`` (N, V) at its packed positions after fairseq's edits, ``forced`` the forced
         prefix tokens there (-1: none) or None.
 
-        Returns the accepted draft lengths (B,) and a (B, L) token grid holding, at each row's
-        first non-accepted position, the token drawn there (the rest is never read).
+        Returns the accepted draft lengths (B,) and a (B, L) token grid holding each row's
+        draft tokens, and at its first non-accepted position the token drawn there (what
+        follows is never kept): decisions.read_sampled reads both for decisions.walk_row.
         """
         probs = self.filter.probs(lprobs)  # (N, V): fairseq's sampling distribution
         if forced is not None:  # --prefix-size: the forced token has probability 1
