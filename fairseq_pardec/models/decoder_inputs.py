@@ -61,6 +61,14 @@ def embed_at(decoder, tokens: Tensor, positions: Tensor) -> Tensor:
     return decoder.dropout_module(x)
 
 
+def residual_sublayer(x: Tensor, norm, pre_norm: bool, apply) -> Tensor:
+    """One sublayer of a fairseq Transformer layer in fairseq's order: ``x + f(norm(x))`` with
+    ``pre_norm``, else ``norm(x + f(x))``. ``apply(h, residual)`` computes ``f(h) + residual``
+    itself, so that a step may fuse the addition into its last product."""
+    out = apply(norm(x) if pre_norm else x, x)
+    return out if pre_norm else norm(out)
+
+
 def final_features(decoder, x: Tensor, time_major: bool) -> Tensor:
     """The end of fairseq's ``extract_features_scriptable`` on the last layer's output ``x``:
     the final layer norm, batch-first order (when ``x`` is time-major, (T, B, C)), and the

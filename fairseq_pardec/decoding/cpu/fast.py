@@ -55,7 +55,7 @@ from fairseq_pardec.decoding.cpu.products import (NATIVE, PACK_BELOW, FeedForwar
                                                   Linear, query_key_value)
 from fairseq_pardec.decoding.step.weights_key import PREPARE_LOCK, WeightsKey
 from fairseq_pardec.models.decoder_inputs import (encoder_states, final_features, plain_input,
-                                                   position_embeddings)
+                                                   position_embeddings, residual_sublayer)
 
 # A bound on |fast log-prob - fairseq log-prob| in float32, with a wide safety factor. The fast
 # encoder and step together, against fairseq's encoder and decoder, differed by at most 4.6e-5 on
@@ -547,21 +547,12 @@ class FastBlockDecoder(LeanBlockDecoder):
         for i, layer in enumerate(layers):
             norm_attn, norm_cross = layer.norms
             # self-attention: one product for queries, keys and values
-            residual = x
-            if layer.pre_norm:
-                x = norm_attn(x)
-            out = attend.self_attention(i, layer, layer.qkv(x, kernel))
-            x = layer.out(out, kernel, add=residual)
-            if not layer.pre_norm:
-                x = norm_attn(x)
+            x = residual_sublayer(x, norm_attn, layer.pre_norm, lambda h, residual: layer.out(
+                attend.self_attention(i, layer, layer.qkv(h, kernel)), kernel, add=residual))
             # encoder attention over keys and values projected once per batch
-            residual = x
-            if layer.pre_norm:
-                x = norm_cross(x)
-            out = attend.cross_attention(i, layer, layer.cross_q(x, kernel))
-            x = layer.cross_out(out, kernel, add=residual)
-            if not layer.pre_norm:
-                x = norm_cross(x)
+            x = residual_sublayer(x, norm_cross, layer.pre_norm, lambda h, residual: (
+                layer.cross_out(attend.cross_attention(i, layer, layer.cross_q(h, kernel)),
+                                kernel, add=residual)))
             x = layer.ffn(x, kernel)
         return final_features(dec, x, time_major=False)
 

@@ -58,7 +58,8 @@ from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 from fairseq_pardec.decoding.step.margins import rounding_margin
 from fairseq_pardec.decoding.cuda.slot_pool import SlotBudget, SlotPool
 from fairseq_pardec.decoding.step.weights_key import WeightsKey
-from fairseq_pardec.models.decoder_inputs import encoder_states, final_features
+from fairseq_pardec.models.decoder_inputs import (encoder_states, final_features,
+                                                   residual_sublayer)
 
 # The smallest self-attention capacity and source bucket: the memory-efficient attention kernel
 # reads masks whose last dimension is a multiple of 16, and fewer, larger buckets mean fewer
@@ -596,44 +597,46 @@ class StaticBlockDecoder(LeanBlockDecoder):
         write = (slot.lengths.view(rows, 1, 1, 1) + block.query_index.view(1, 1, width, 1)
                  ).clamp(max=slot.capacity - 1)
         for i, layer in enumerate(slot.layers):
-            heads, head_dim = layer.heads, layer.head_dim
-            residual = x
-            if layer.pre_norm:
-                x = layer.norm_attn(x)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(width, rows, 3, heads,
-                                                                     head_dim)
-            qkv = qkv.permute(2, 1, 3, 0, 4)  # (3, rows, heads, width, head_dim)
-            at = write.expand(rows, heads, width, head_dim)
-            slot.keys[i].scatter_(2, at, qkv[1])
-            slot.values[i].scatter_(2, at, qkv[2])
-            out = F.scaled_dot_product_attention(qkv[0], slot.keys[i], slot.values[i],
-                                                 attn_mask=mask, scale=1.0)
-            x = layer.out(out.permute(2, 0, 1, 3).reshape(width * rows, -1)) + residual
-            if not layer.pre_norm:
-                x = layer.norm_attn(x)
-
-            residual = x
-            if layer.pre_norm:
-                x = layer.norm_cross(x)
-            q = F.linear(x, layer.cross_q_weight, layer.cross_q_bias).view(
-                width, rows, layer.cross_heads, layer.cross_head_dim).permute(1, 2, 0, 3)
-            out = F.scaled_dot_product_attention(q, slot.enc_keys[i], slot.enc_values[i],
-                                                 attn_mask=slot.enc_attend, scale=1.0)
-            x = layer.cross_out(out.permute(2, 0, 1, 3).reshape(width * rows, -1)) + residual
-            if not layer.pre_norm:
-                x = layer.norm_cross(x)
-
-            residual = x
-            if layer.pre_norm:
-                x = layer.norm_ffn(x)
-            x = layer.fc2(layer.activation(layer.fc1(x))) + residual
-            if not layer.pre_norm:
-                x = layer.norm_ffn(x)
+            x = residual_sublayer(x, layer.norm_attn, layer.pre_norm, lambda h, residual: (
+                self._self_attention(slot, i, layer, h, write, mask) + residual))
+            x = residual_sublayer(x, layer.norm_cross, layer.pre_norm, lambda h, residual: (
+                self._cross_attention(slot, i, layer, h) + residual))
+            x = residual_sublayer(x, layer.norm_ffn, layer.pre_norm, lambda h, residual: (
+                layer.fc2(layer.activation(layer.fc1(h))) + residual))
         features = final_features(dec, x, time_major=False)
         if not scores:
             return (features,)
         logits = dec.output_layer(features) / slot.temperature
         return features, F.log_softmax(logits.float(), dim=-1)
+
+    @staticmethod
+    def _self_attention(slot: _Slot, i: int, layer, x: Tensor, write: Tensor,
+                        mask: Tensor) -> Tensor:
+        """Layer ``i``'s self-attention of the grid ``x`` (width * rows, d), time-major: its
+        keys and values written into the slot's cache at ``write``, before its output
+        projection's residual."""
+        rows, heads, head_dim = slot.rows, layer.heads, layer.head_dim
+        width = x.size(0) // rows
+        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(width, rows, 3, heads, head_dim)
+        qkv = qkv.permute(2, 1, 3, 0, 4)  # (3, rows, heads, width, head_dim)
+        at = write.expand(rows, heads, width, head_dim)
+        slot.keys[i].scatter_(2, at, qkv[1])
+        slot.values[i].scatter_(2, at, qkv[2])
+        out = F.scaled_dot_product_attention(qkv[0], slot.keys[i], slot.values[i],
+                                             attn_mask=mask, scale=1.0)
+        return layer.out(out.permute(2, 0, 1, 3).reshape(width * rows, -1))
+
+    @staticmethod
+    def _cross_attention(slot: _Slot, i: int, layer, x: Tensor) -> Tensor:
+        """Layer ``i``'s attention of the grid ``x`` over the keys and values of the encoder's
+        output, projected into the slot when its batch started."""
+        rows = slot.rows
+        width = x.size(0) // rows
+        q = F.linear(x, layer.cross_q_weight, layer.cross_q_bias).view(
+            width, rows, layer.cross_heads, layer.cross_head_dim).permute(1, 2, 0, 3)
+        out = F.scaled_dot_product_attention(q, slot.enc_keys[i], slot.enc_values[i],
+                                             attn_mask=slot.enc_attend, scale=1.0)
+        return layer.cross_out(out.permute(2, 0, 1, 3).reshape(width * rows, -1))
 
     # ------------------------------------------------------------------ scores
     def log_probs(self, features: Tensor, temperature: float = 1.0,
