@@ -10,6 +10,8 @@ drops its ``from_checkpoint`` argument before it calls a model's ``build_model(a
 
 import copy
 
+from fairseq_pardec.errors import UsageError
+
 _FROM_CHECKPOINT = "pardec_from_checkpoint"
 
 
@@ -44,7 +46,6 @@ def init_from_checkpoint(model, path, flag, may_differ=(), skip=()):
 
     from fairseq import checkpoint_utils
 
-    from fairseq_pardec.errors import UsageError
 
     if not os.path.isfile(path):
         raise UsageError("%s: no checkpoint file %r" % (flag, path))

@@ -15,7 +15,12 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from fairseq_pardec.decoding.draft_verify.engine import DraftVerifyGenerator
+from fairseq_pardec.decoding.step import calibration
+from fairseq_pardec.tasks.warm_up import decode_quietly
+
 logger = logging.getLogger("fairseq_pardec.serve")
+
 
 @dataclass
 class Output:
@@ -118,10 +123,6 @@ class LoadedModel:
         first requests measure)."""
         from fairseq import utils
 
-        from fairseq_pardec.decoding.draft_verify.engine import DraftVerifyGenerator
-        from fairseq_pardec.decoding.step import calibration
-        from fairseq_pardec.tasks.warm_up import decode_quietly
-
         generator = self.generator
         if not isinstance(generator, DraftVerifyGenerator) or not generator._guarded():
             return 0
@@ -151,8 +152,6 @@ class LoadedModel:
         """fairseq's own search (beam, greedy) is not warmed by the task: one short decode of
         the first dictionary words here, so that readiness means warm for every generator.
         Stateless: a draft-and-verify generator was warmed without drafting when built."""
-        from fairseq_pardec.decoding.registry import DraftVerifyGenerator
-
         if isinstance(self.generator, DraftVerifyGenerator):
             return
         first = self.src_dict.nspecial

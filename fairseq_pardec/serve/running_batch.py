@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from fairseq_pardec.decoding.draft_verify.encoded_rows import encodes_ahead
+from fairseq_pardec.decoding.draft_verify.engine import DraftVerifyGenerator
 
 logger = logging.getLogger("fairseq_pardec.serve")
 
@@ -247,8 +248,6 @@ def running_batch_for(model, capacity: int, batching: str,
                       prepare: Optional[int] = None) -> RunningBatch:
     """The running batch of a server: rows join at every iteration where the generator takes
     them (--batching join), else in rounds, with one line saying why."""
-    from fairseq_pardec.decoding.draft_verify.engine import DraftVerifyGenerator
-
     generator = model.generator
     if batching != "join":
         return RoundBatch(model, capacity)

@@ -9,6 +9,8 @@ second warned about, in one line each.
 import os
 
 from fairseq_pardec.errors import UsageError, warn
+from fairseq_pardec.models.glat_drafter import GlatDrafterModel
+from fairseq_pardec.models.loading import built_from_checkpoint
 
 
 def refuse_non_verifiers(models):
@@ -17,9 +19,6 @@ def refuse_non_verifiers(models):
     Only a drafter loaded from a checkpoint is refused: training one with ``--eval-bleu`` builds
     a generator for the new model, and that is fairseq's business.
     """
-    from fairseq_pardec.models.glat_drafter import GlatDrafterModel
-    from fairseq_pardec.models.loading import built_from_checkpoint
-
     for model in models:
         if isinstance(model, GlatDrafterModel) and built_from_checkpoint(model.args):
             raise UsageError(

@@ -24,6 +24,9 @@ import time
 
 import torch
 
+from fairseq_pardec.decoding.decode_stats import DecodeStats
+from fairseq_pardec.decoding.draft_verify.acceptance import ExactAcceptance
+from fairseq_pardec.decoding.draft_verify.drafters import NoDrafter
 from fairseq_pardec.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -78,10 +81,6 @@ def decode_quietly(generator, model, sample) -> bool:
     """Decode ``sample`` through a view of ``generator`` that shares its model and decoder step
     but drafts nothing, samples nothing and counts into statistics of its own (see the module's
     text). Returns whether it decoded (a length limit may refuse the sample)."""
-    from fairseq_pardec.decoding.decode_stats import DecodeStats
-    from fairseq_pardec.decoding.draft_verify.acceptance import ExactAcceptance
-    from fairseq_pardec.decoding.draft_verify.drafters import NoDrafter
-
     view = copy.copy(generator)  # shares the model and the chosen decoder step
     view.drafter = NoDrafter()
     view.acceptance = ExactAcceptance()

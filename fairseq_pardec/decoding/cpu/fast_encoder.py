@@ -33,12 +33,11 @@ from fairseq_pardec.decoding.cpu.layer_stack import NativeLayerStack
 from fairseq_pardec.native.library import ATTENTION_DIMS, ENCODER_SELF, native_kernel
 from fairseq_pardec.decoding.cpu.products import (NATIVE, PACK_BELOW, FeedForward, KernelChoice,
                                                   Linear, query_key_value)
+from fairseq_pardec.decoding.step.lean import _plain_attention
 from fairseq_pardec.decoding.step.weights_key import PREPARE_LOCK, WeightsKey
 
 
 def _plain_self_attention(attn) -> bool:
-    from fairseq_pardec.decoding.step.lean import _plain_attention
-
     return (_plain_attention(attn) and attn.self_attention and attn.qkv_same_dim
             and attn.k_proj.bias is not None and attn.v_proj.bias is not None)
 
