@@ -21,8 +21,12 @@ import logging
 import threading
 from typing import Callable, NamedTuple, Optional, Tuple
 
+from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder, fast_supported
+from fairseq_pardec.decoding.cpu.fast_encoder import FastEncoder, fast_encoder_supported
+from fairseq_pardec.decoding.cuda.static import StaticBlockDecoder, static_supported
 from fairseq_pardec.decoding.step.block_decoder import BlockDecoder, check_supported_decoder
 from fairseq_pardec.decoding.step.interface import DecoderStep
+from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
 
 logger = logging.getLogger(__name__)
 _fallbacks_logged = set()
@@ -43,16 +47,10 @@ def block_decoder_for(decoder, lean: bool = True, fast: bool = False,
     False never gives it; None: with ``fast`` on CUDA.
     """
     check_supported_decoder(decoder)
-    from fairseq_pardec.decoding.step.lean import LeanBlockDecoder, lean_supported
-
     if lean and static is not False and (static or (fast and _on_cuda(decoder))):
-        from fairseq_pardec.decoding.cuda.static import StaticBlockDecoder, static_supported
-
         if static_supported(decoder):
             return StaticBlockDecoder(decoder)
     if lean and fast:
-        from fairseq_pardec.decoding.cpu.fast import FastBlockDecoder, fast_supported
-
         if fast_supported(decoder):
             return FastBlockDecoder(decoder)
     if lean and lean_supported(decoder):
@@ -85,8 +83,6 @@ class ChosenStep(NamedTuple):
 def encoder_for(encoder, step: DecoderStep) -> Callable:
     """The encoder for ``step``: with a fast step, the fast encoder on the step's own product
     kernels where it computes the encoder's function (cpu/fast_encoder.py); else fairseq's."""
-    from fairseq_pardec.decoding.cpu.fast_encoder import FastEncoder, fast_encoder_supported
-
     if step.fast and fast_encoder_supported(encoder):
         return FastEncoder(encoder, step.kernels)
     return encoder.forward_torchscript
