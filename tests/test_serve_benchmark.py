@@ -65,3 +65,16 @@ def test_a_soak_chunk_of_no_time_is_refused_naming_the_flag(tmp_path):
     with pytest.raises(UsageError, match="--soak-chunk"):
         main(["--input", str(tmp_path / "texts"), "--variants", "url", "--url",
               "http://127.0.0.1:1/", "--soak", "10", "--soak-chunk", "0"])
+
+
+@pytest.mark.parametrize("flag", ["--input", "--greedy"])
+def test_a_missing_text_file_is_one_line_naming_its_flag(tmp_path, flag):
+    from fairseq_pardec.benchmark.serve import main
+    from fairseq_pardec.errors import UsageError
+
+    (tmp_path / "texts").write_text("a text\n", encoding="utf-8")
+    files = {"--input": str(tmp_path / "texts"), "--greedy": str(tmp_path / "texts")}
+    files[flag] = str(tmp_path / "missing")
+    with pytest.raises(UsageError, match="^%s .*missing does not exist" % flag):
+        main(["--input", files["--input"], "--greedy", files["--greedy"], "--variants", "url",
+              "--url", "http://127.0.0.1:1/", "--out-dir", str(tmp_path / "out")])

@@ -40,9 +40,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import List, Optional
 
 from fairseq_pardec.errors import UsageError, exit_in_one_line
+from fairseq_pardec.input_files import require_file
 
 PLUGIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY = re.compile(r"fairseq-pardec-serve: ready at (http://\S+/)")
@@ -335,6 +336,19 @@ def _machine():
     return "%s, %d cores" % (model or platform.machine(), os.cpu_count() or 0)
 
 
+def text_lines(path: str, flag: str) -> List[str]:
+    """The lines of the UTF-8 text file ``path``, given by ``flag``; a missing or unreadable
+    one is a :class:`UsageError` naming the flag."""
+    require_file(path, flag, "text file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f]
+    except OSError as error:
+        raise UsageError("%s %s: %s" % (flag, path, error.strerror)) from None
+    except UnicodeDecodeError as error:
+        raise UsageError("%s %s is not UTF-8 text (%s)" % (flag, path, error.reason)) from None
+
+
 def main(argv=None):
     options, server_args = build_parser().parse_known_args(argv)
     if "url" in options.variants and not options.url:
@@ -345,19 +359,18 @@ def main(argv=None):
         raise UsageError("--requests must be >= 1 and every --rates value > 0")
     if options.soak < 0 or options.soak_chunk <= 0:
         raise UsageError("--soak must be >= 0 seconds and --soak-chunk > 0 seconds")
-    try:
-        with open(options.input, encoding="utf-8") as f:
-            texts = [line.rstrip("\n") for line in f if line.strip()][:options.max_sentences]
-    except OSError as error:
-        raise UsageError("--input %s: %s" % (options.input, error.strerror)) from None
+    texts = [line for line in text_lines(options.input, "--input")
+             if line.strip()][:options.max_sentences]
+    os.makedirs(options.out_dir, exist_ok=True)
     if options.greedy:
-        with open(options.greedy, encoding="utf-8") as f:
-            greedy = [line.rstrip("\n") for line in f][:len(texts)]
+        greedy = text_lines(options.greedy, "--greedy")[:len(texts)]
         # texts past the file's end are answered and timed, and counted as not compared
         greedy += [None] * (len(texts) - len(greedy))
     else:
         greedy = greedy_outputs(texts, server_args, options.threads)
-    os.makedirs(options.out_dir, exist_ok=True)
+        # for the next run on these texts (--greedy), which then skips the slow batch-1 decode
+        with open(os.path.join(options.out_dir, "greedy.txt"), "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in greedy))
     if options.soak > 0:
         return run_soak(options, server_args, texts, greedy)
     rows = []
