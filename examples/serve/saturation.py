@@ -19,7 +19,11 @@ The same model (loaded once, as the server loads it) decodes the first ``--sente
 
 It prints sentences per second for each (median over rounds), ``join`` over ``offline``
 (paired by round), and per way the decoder calls and the mean rows an iteration ran. Every
-output of every way is compared with ``offline``'s (greedy's, for a lossless generator).
+output of every way is compared with each sentence decoded alone (at batch 1, untimed; for a
+lossless generator fairseq greedy's ``--batch-size 1`` output). ``join`` must equal it: each
+joined row has its own length limit. ``rounds`` and ``offline`` decode fairseq's batches, whose
+rows share the limit of the batch's longest source, so a row that reaches its limit alone ends
+elsewhere there.
 """
 
 import argparse
@@ -97,6 +101,8 @@ def main(argv=None):
     # the server's join, with this command's --prepare-rows
     ways = dict(WAYS, join=functools.partial(run_join, prepare=args.prepare_rows))
     stats = model.generator.stats
+    with torch.no_grad():
+        alone = run_offline(model, rows_of, 1)  # each sentence at batch 1: the reference
     seconds = {way: [] for way in ways}
     work = {}
     outputs = {}
@@ -115,8 +121,8 @@ def main(argv=None):
     n = len(rows_of)
     for way in ways:
         calls, row_iterations = work[way]
-        same = sum(outputs[way][i] == outputs["offline"][i] for i in range(n))
-        print("%-9s %7.1f sent/s  decoder calls %6d  rows an iteration %5.1f  = offline %d/%d"
+        same = sum(outputs[way][i] == alone[i] for i in range(n))
+        print("%-9s %7.1f sent/s  decoder calls %6d  rows an iteration %5.1f  = alone %d/%d"
               % (way, n / statistics.median(seconds[way]), calls,
                  row_iterations / max(1, calls), same, n))
     for way in ("join", "join-each"):
