@@ -14,30 +14,21 @@ load benchmark's soak (``python -m fairseq_pardec.benchmark.serve --soak``) put 
 outside the running batch: in the server around it, or in the allocator.
 """
 
-import argparse
 import gc
 import itertools
 import os
 import sys
 
+from saturation import loaded
+
 
 def main(argv=None):
-    ours = argparse.ArgumentParser(add_help=False)
-    ours.add_argument("--input", required=True)
-    ours.add_argument("--sentences", type=int, default=300)
-    ours.add_argument("--laps", type=int, default=10)
-    mine, rest = ours.parse_known_args(argv)
+    mine, args, model, rows_of = loaded(argv, laps=10)
 
     import torch
-    from fairseq_pardec.benchmark.serve import resident_mb, text_lines
-    from fairseq_pardec.serve.model import LoadedModel
-    from fairseq_pardec.serve.options import parse_args
+    from fairseq_pardec.benchmark.serve import resident_mb
     from fairseq_pardec.serve.running_batch import IterationBatch, Row
 
-    args = parse_args(rest)
-    model = LoadedModel(args)
-    texts = [t for t in text_lines(mine.input, "--input") if t.strip()][: mine.sentences]
-    rows_of = [model.encode(text) for text in texts]
     batch = IterationBatch(model, args.batch_size, args.prepare_rows)
     arriving = itertools.cycle(range(len(rows_of)))
     finished = empties = 0

@@ -81,22 +81,32 @@ WAYS = {"join": run_join, "join-each": run_join_each, "rounds": run_rounds,
         "offline": run_offline}
 
 
-def main(argv=None):
+def loaded(argv, **more):
+    """``--input``, ``--sentences`` and ``more`` (name -> default, an int) of this command line,
+    the server's options of the rest, the model loaded as the server loads it, and the first
+    ``--sentences`` non-empty lines of ``--input`` encoded as its rows."""
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--input", required=True)
     ours.add_argument("--sentences", type=int, default=300)
-    ours.add_argument("--rounds", type=int, default=3)
+    for name, default in more.items():
+        ours.add_argument("--" + name, type=int, default=default)
     mine, rest = ours.parse_known_args(argv)
 
-    import torch
+    from fairseq_pardec.benchmark.serve import text_lines
     from fairseq_pardec.serve.model import LoadedModel
     from fairseq_pardec.serve.options import parse_args
 
     args = parse_args(rest)
     model = LoadedModel(args)
-    with open(mine.input, encoding="utf-8") as lines:
-        texts = [line.rstrip("\n") for line in lines][: mine.sentences]
-    rows_of = [model.encode(text) for text in texts]
+    texts = [t for t in text_lines(mine.input, "--input") if t.strip()][: mine.sentences]
+    return mine, args, model, [model.encode(text) for text in texts]
+
+
+def main(argv=None):
+    mine, args, model, rows_of = loaded(argv, rounds=3)
+
+    import torch
+
     capacity = args.batch_size
     # the server's join, with this command's --prepare-rows
     ways = dict(WAYS, join=functools.partial(run_join, prepare=args.prepare_rows))
