@@ -7,6 +7,7 @@ before fairseq parses the command line.
 """
 
 import os
+from typing import List
 
 from fairseq_pardec.errors import UsageError
 
@@ -42,6 +43,19 @@ def require_file(path, flag, what="file", suffix=None):
     problem = file_problem(path, flag, what, suffix)
     if problem:
         raise UsageError(problem)
+
+
+def text_lines(path: str, flag: str) -> List[str]:
+    """The lines of the UTF-8 text file ``path``, given by ``flag``; a missing or unreadable
+    one is a :class:`UsageError` naming the flag."""
+    require_file(path, flag, "text file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f]
+    except OSError as error:
+        raise UsageError("%s %s: %s" % (flag, path, error.strerror)) from None
+    except UnicodeDecodeError as error:
+        raise UsageError("%s %s is not UTF-8 text (%s)" % (flag, path, error.reason)) from None
 
 
 # the file flags of --task translation_pardec and of our models, and what each names. A

@@ -92,7 +92,7 @@ def loaded(argv, **more):
         ours.add_argument("--" + name, type=int, default=default)
     mine, rest = ours.parse_known_args(argv)
 
-    from fairseq_pardec.benchmark.serve import text_lines
+    from fairseq_pardec.input_files import text_lines
     from fairseq_pardec.serve.model import LoadedModel
     from fairseq_pardec.serve.options import parse_args
 

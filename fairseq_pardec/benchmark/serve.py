@@ -40,10 +40,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import Optional
 
 from fairseq_pardec.errors import UsageError, exit_in_one_line
-from fairseq_pardec.input_files import require_file
+from fairseq_pardec.input_files import text_lines
 
 PLUGIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY = re.compile(r"fairseq-pardec-serve: ready at (http://\S+/)")
@@ -334,19 +334,6 @@ def _machine():
     except OSError:
         model = platform.processor()
     return "%s, %d cores" % (model or platform.machine(), os.cpu_count() or 0)
-
-
-def text_lines(path: str, flag: str) -> List[str]:
-    """The lines of the UTF-8 text file ``path``, given by ``flag``; a missing or unreadable
-    one is a :class:`UsageError` naming the flag."""
-    require_file(path, flag, "text file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return [line.rstrip("\n") for line in f]
-    except OSError as error:
-        raise UsageError("%s %s: %s" % (flag, path, error.strerror)) from None
-    except UnicodeDecodeError as error:
-        raise UsageError("%s %s is not UTF-8 text (%s)" % (flag, path, error.reason)) from None
 
 
 def main(argv=None):

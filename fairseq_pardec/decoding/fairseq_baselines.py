@@ -7,6 +7,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from fairseq_pardec.decoding.decode_stats import DecodeStats, count_hypotheses, timed
 from fairseq_pardec.errors import running_a_cli
 
+
 class CountingSequenceGenerator(SequenceGenerator):
     """Unchanged fairseq search; counts decoder calls and times ``generate``."""
 
@@ -64,7 +65,6 @@ def use_beam_one(args):
     if getattr(args, "beam", None) == 1:
         return args
     from omegaconf import OmegaConf, open_dict, read_write
-
 
     if not running_a_cli():
         args = copy.copy(args)
