@@ -13,7 +13,7 @@ from fairseq_pardec.decoding.step.block_decoder import BlockDecoder
 from fairseq_pardec.decoding.cpu.fast_encoder import FastEncoder, fast_encoder_supported
 from fairseq_pardec.decoding.step_factory import block_decoder_for
 from fairseq_pardec.decoding.step.lean import LeanBlockDecoder
-from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
+from fairseq_pardec.decoding.step.onednn import packs_on_onednn
 from fairseq_pardec.native.library import native_kernel, native_unavailable_reason
 from fairseq_pardec.decoding.cpu.products import (KERNEL_VARIABLE, KERNELS, MKL, NATIVE, ONEDNN,
                                                   KernelChoice, Linear)

@@ -111,20 +111,20 @@ def test_output_layer_through_a_packed_copy():
 def test_output_projection_without_onednn(monkeypatch):
     """Where oneDNN's packed linear is missing (or the weight is not float32), the projection
     runs on a transposed copy: same values up to float rounding."""
-    from fairseq_pardec.decoding.step import output_projection
+    from fairseq_pardec.decoding.step import onednn, output_projection
 
     d = make_dictionary(40)
     model = tiny_transformer(make_task(d), seed=24)
     x = torch.randn(5, model.decoder.embed_dim)
     with torch.no_grad():
         expected = model.decoder.output_projection(x)
-        monkeypatch.setattr(output_projection, "_ONEDNN_OK", False)
+        monkeypatch.setattr(onednn, "_ONEDNN_OK", False)
         plain = output_projection.OutputProjection(model.decoder.output_projection)
         assert torch.allclose(plain(x), expected, rtol=0, atol=1e-5)
         assert not plain._prepared()[1]
         model.double()
         wide = output_projection.OutputProjection(model.decoder.output_projection)
-        monkeypatch.setattr(output_projection, "_ONEDNN_OK", None)
+        monkeypatch.setattr(onednn, "_ONEDNN_OK", None)
         assert torch.allclose(wide(x.double()), model.decoder.output_projection(x.double()))
         assert not wide._prepared()[1]
 

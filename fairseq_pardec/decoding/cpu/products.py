@@ -35,7 +35,7 @@ from fairseq_pardec.errors import UsageError
 from fairseq_pardec.native import build as native_build
 from fairseq_pardec.native.library import native_kernel
 from fairseq_pardec.native.cache import ChoiceCache
-from fairseq_pardec.decoding.step.output_projection import packs_on_onednn
+from fairseq_pardec.decoding.step import onednn
 
 # rows 1 | 2..16 | 17..64 | more, and the row count measured for each: a batch-1 step, a
 # batch-1 block, a batch's step, a batch's block (or an encoder)
@@ -85,8 +85,7 @@ class Linear:
         self.out_features = weight.size(0)
         self.transposed = weight.t().contiguous()
         cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-                       if cpu32 and packs_on_onednn() else None)
+        self.packed = onednn.pack(weight) if cpu32 and onednn.packs_on_onednn() else None
         self.native = native_kernel() if cpu32 else None
         self.panels = None if self.native is None else self.native.pack(weight)
 
@@ -107,8 +106,7 @@ class Linear:
         if kernel == NATIVE and self.panels is not None:
             return self.native.linear(x, self.panels, self.out_features, self.bias, add, self.relu)
         if kernel == ONEDNN and self.packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self.packed, self.bias, "relu" if self.relu else "none", [], "")
+            out = onednn.linear(x, self.packed, self.bias, self.relu)
         else:
             out = x @ self.transposed if self.bias is None else torch.addmm(
                 self.bias, x, self.transposed)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from fairseq.models.transformer import TransformerDecoderBase
 
+from fairseq_pardec.decoding.step import onednn
 from fairseq_pardec.decoding.step.weights_key import WeightsKey
 from fairseq_pardec.errors import UsageError
 
@@ -40,25 +41,6 @@ def plain_output_projection(decoder) -> Optional[torch.nn.Linear]:
     if not (own or getattr(decoder, "output_layer_is_projection", False)):
         return None
     return base_projection(decoder)
-
-
-_ONEDNN_OK: Optional[bool] = None
-
-
-def packs_on_onednn() -> bool:
-    """True when this torch has oneDNN's packed linear and it computes a product correctly
-    (checked once on a small product; a build without it falls back, never fails)."""
-    global _ONEDNN_OK
-    if _ONEDNN_OK is None:
-        try:
-            weight = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
-            rows = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
-            _ONEDNN_OK = bool(torch.allclose(out, rows @ weight.t(), atol=1e-4))
-        except (AttributeError, RuntimeError, NotImplementedError):
-            _ONEDNN_OK = False
-    return _ONEDNN_OK
 
 
 class OutputProjection:
@@ -90,9 +72,9 @@ class OutputProjection:
             with torch.no_grad():
                 rows = self._weight(self.projection.weight.detach())
                 packed = (rows.device.type == "cpu" and rows.dtype == torch.float32
-                          and packs_on_onednn())
+                          and onednn.packs_on_onednn())
                 if packed:
-                    copy = torch.ops.mkldnn._reorder_linear_weight(rows.contiguous(), None)
+                    copy = onednn.pack(rows)
                 else:
                     copy = rows.t().contiguous()
             state = self._state = (key, held, copy, packed)
@@ -102,7 +84,7 @@ class OutputProjection:
         """features (R, d) times the prepared weight: (R, rows of the weight)."""
         copy, packed = self._prepared()
         if packed:
-            return torch.ops.mkldnn._linear_pointwise(features, copy, None, "none", [], "")
+            return onednn.linear(features, copy)
         return features @ copy
 
     def __call__(self, features: Tensor) -> Tensor:
