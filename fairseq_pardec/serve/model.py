@@ -2,8 +2,8 @@
 them: the same task set-up, checkpoint loading, generator, tokenizer and BPE, the same encoding
 of a line (``task.get_interactive_tokens_and_lengths``), batches from the task's own
 ``build_dataset_for_inference`` (``--truncate-source`` included) and the same post-processing of a
-hypothesis (``utils.post_process_prediction``, then BPE and tokenizer decoding). Only the loop
-around them differs: requests instead of standard input.
+hypothesis (``utils.post_process_prediction``'s text, then BPE and tokenizer decoding). Only the
+loop around them differs: requests instead of standard input.
 """
 
 import ast
@@ -160,16 +160,24 @@ class LoadedModel:
 
     # ------------------------------------------------------------------ text out
     def output(self, source: torch.Tensor, hypothesis: dict) -> Output:
-        """fairseq-interactive's D-, H- and P- lines of one hypothesis of ``source``."""
+        """fairseq-interactive's D-, H- and P- lines of one hypothesis of ``source``.
+
+        The hypothesis's text is ``utils.post_process_prediction``'s, without its last step: it
+        encodes that text again with ``add_if_not_exist=True``, which adds every new word of
+        an output (BPE removed) to the target dictionary. A command decoding a file forgets
+        that; a server would keep every word it ever output, and the dictionary would no
+        longer be the model's."""
         from fairseq import utils
 
         post_process = self.cfg.common_eval.post_process
-        src_str = self.src_dict.string(utils.strip_pad(source, self.src_dict.pad()), post_process)
-        _, hypo_str, _ = utils.post_process_prediction(
-            hypo_tokens=hypothesis["tokens"].int().cpu(), src_str=src_str,
-            alignment=hypothesis.get("alignment"), align_dict=self.align_dict,
-            tgt_dict=self.tgt_dict, remove_bpe=post_process, extra_symbols_to_ignore=self.strip,
-        )
+        # a list: the dictionary reads it as the tensor, without a tensor per token
+        hypo_str = self.tgt_dict.string(hypothesis["tokens"].tolist(), post_process,
+                                        extra_symbols_to_ignore=self.strip)
+        if self.align_dict is not None:  # --replace-unk
+            src_str = self.src_dict.string(utils.strip_pad(source, self.src_dict.pad()),
+                                           post_process)
+            hypo_str = utils.replace_unk(hypo_str, src_str, hypothesis.get("alignment"),
+                                         self.align_dict, self.tgt_dict.unk_string())
         text = hypo_str
         if self.bpe is not None:
             text = self.bpe.decode(text)
@@ -180,7 +188,7 @@ class LoadedModel:
             text=text, tokens=hypo_str.split(),
             score=None if "score" not in hypothesis else float(hypothesis["score"]) / math.log(2),
             positional_scores=[] if positional is None
-            else [round(float(x) / math.log(2), 4) for x in positional],
+            else [round(x / math.log(2), 4) for x in positional.tolist()],
         )
 
     @property
