@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from fairseq_pardec.serve.free_memory import FreeMemory
 from fairseq_pardec.serve.running_batch import Row, RunningBatch
 
 logger = logging.getLogger("fairseq_pardec.serve")
@@ -107,6 +108,7 @@ class Batcher:
         self._draining = False
         self._stopped = False
         self._rows_per_s = 0.0  # recent decoding rate, for Retry-After
+        self.free_memory = FreeMemory()
         self._thread = threading.Thread(target=self._loop, name="pardec-batcher", daemon=True)
 
     # ------------------------------------------------------------------ the handlers' side
@@ -251,6 +253,8 @@ class Batcher:
             self.metrics.observe_step(report)
         for job in finished_jobs:
             job.settle(result=job)
+        if not self.batch.running():
+            self.free_memory.batch_emptied()
 
     def _fail_running(self, error):
         with self._lock:
