@@ -78,3 +78,29 @@ def test_a_missing_text_file_is_one_line_naming_its_flag(tmp_path, flag):
     with pytest.raises(UsageError, match="^%s .*missing does not exist" % flag):
         main(["--input", files["--input"], "--greedy", files["--greedy"], "--variants", "url",
               "--url", "http://127.0.0.1:1/", "--out-dir", str(tmp_path / "out")])
+
+
+def test_the_soak_reads_memory_through_each_chunk():
+    """A chunk's memory is its end, its lowest and its highest reading: a server that returns
+    freed memory now and then is not judged by one reading."""
+    import os
+    import time
+
+    from fairseq_pardec.benchmark.serve import ResidentReadings, soak_markdown
+
+    with ResidentReadings(os.getpid(), every_s=0.01) as memory:
+        time.sleep(0.1)
+    assert len(memory.readings) >= 2 and min(memory.readings) > 0
+    with ResidentReadings(None) as nothing:  # no server process of ours: nothing read
+        pass
+    assert nothing.readings == []
+
+    def chunk(k, end, low, high):
+        return dict(chunk=k, requests=10, answered=10, failed=0, identical_to_greedy=10,
+                    compared=10, throughput=9.5, p99_ms=120.0, rss_mb=end, rss_low_mb=low,
+                    rss_high_mb=high)
+
+    meta = dict(variant="join", rate=10, chunk_s=1.0, machine="m", commit="c", date="d")
+    text = soak_markdown(meta, [chunk(0, 100.0, 90.0, 110.0), chunk(1, 120.0, 88.0, 110.0)])
+    assert "| 1 | 10 | 10 | 0 | 10/10 | 9.5 | 120.0 | 120.0 | 88.0 | 110.0 |" in text
+    assert "first chunk's end to the last's: 20.0%; the highest reading, first chunk to last: 0.0%" in text

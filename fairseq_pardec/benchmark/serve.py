@@ -22,8 +22,8 @@ greedy --batch-size 1`` on the same options). Writes ``serve.md``, ``serve.json`
 ``serve_latency.png`` to ``--out-dir``.
 
 ``--soak SECONDS`` runs the first variant at the first rate for that long instead, in chunks, and
-reads the server's resident memory after each: lost (failed) and wrong answers and memory growth
-over a long run (``soak.md``, ``soak.json``).
+reads the server's resident memory every second: lost (failed) and wrong answers, and per chunk
+the memory at its end, its lowest and its highest, over a long run (``soak.md``, ``soak.json``).
 
 The options this command does not know are the server's (fairseq-interactive's and
 fairseq-pardec-serve's): each variant's server gets them.
@@ -39,8 +39,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import Optional
+from typing import List, Optional
 
 from fairseq_pardec.errors import UsageError, exit_in_one_line
 from fairseq_pardec.input_files import text_lines
@@ -92,17 +93,51 @@ def resident_mb(pid: int) -> Optional[float]:
     return None
 
 
+class ResidentReadings:
+    """The resident memory of process ``pid`` read every ``every_s`` seconds on a thread of its
+    own while the ``with`` block runs: a server that returns freed memory now and then is
+    caught high or low by one reading at a chunk's end."""
+
+    def __init__(self, pid: Optional[int], every_s: float = 1.0):
+        self.pid, self.every_s = pid, every_s
+        self.readings: List[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="rss-readings", daemon=True)
+
+    def _read(self):
+        while True:
+            reading = resident_mb(self.pid)
+            if reading is not None:
+                self.readings.append(reading)
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self):
+        if self.pid is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.pid is not None:
+            self._stop.set()
+            self._thread.join()
+
+
 def soak(server, url, texts, greedy, options):
     """The server at one rate for ``options.soak`` seconds, chunk by chunk: per chunk the
-    answers, failures, outputs unlike greedy's, p99 and the server's resident memory."""
+    answers, failures, outputs unlike greedy's, p99 and the server's resident memory (at the
+    chunk's end, its lowest and its highest reading)."""
     rate, chunks = options.rates[0], []
     count = max(1, int(round(options.soak / options.soak_chunk)))
     per_chunk = argparse.Namespace(**dict(vars(options),
                                           requests=max(1, int(rate * options.soak_chunk))))
     for k in range(count):
         per_chunk.seed = "%s|soak%d" % (options.seed, k)
-        row = measure(url, rate, texts, greedy, per_chunk)
-        row.update(chunk=k, rss_mb=resident_mb(server.proc.pid) if server else None)
+        with ResidentReadings(server.proc.pid if server else None) as memory:
+            row = measure(url, rate, texts, greedy, per_chunk)
+        row.update(chunk=k, rss_mb=resident_mb(server.proc.pid) if server else None,
+                   rss_low_mb=min(memory.readings, default=None),
+                   rss_high_mb=max(memory.readings, default=None))
         print("soak chunk %d: %.1f req/s, p99 %s ms, %d failed, %d/%d = greedy, RSS %s MiB"
               % (k, row["throughput"], row["p99_ms"] and round(row["p99_ms"], 1), row["failed"],
                  row["identical_to_greedy"], row["compared"],
@@ -116,20 +151,28 @@ def soak_markdown(meta, chunks):
     answered = sum(c["answered"] for c in chunks)
     wrong = sum(c["compared"] - c["identical_to_greedy"] for c in chunks)
     first, last = chunks[0]["rss_mb"], chunks[-1]["rss_mb"]
+    first_high, last_high = chunks[0].get("rss_high_mb"), chunks[-1].get("rss_high_mb")
     lines = ["# Soak: %s at %g req/s for %d chunks of %g s" % (meta["variant"], meta["rate"],
                                                               len(chunks), meta["chunk_s"]),
              "", "machine: %s; commit %s; %s" % (meta["machine"], meta["commit"], meta["date"]),
-             "", "| chunk | sent | answered | failed | = greedy | throughput | p99 ms | RSS MiB |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "", "| chunk | sent | answered | failed | = greedy | throughput | p99 ms | RSS MiB "
+             "at end | lowest | highest |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def mib(value) -> str:
+        return "-" if value is None else "%.1f" % value
+
+    def growth(before, after) -> str:
+        return ("%.1f%%" % (100.0 * (after - before) / before)) if before and after else "not read"
+
     for c in chunks:
-        lines.append("| %d | %d | %d | %d | %d/%d | %.1f | %s | %s |" % (
+        lines.append("| %d | %d | %d | %d | %d/%d | %.1f | %s | %s | %s | %s |" % (
             c["chunk"], c["requests"], c["answered"], c["failed"], c["identical_to_greedy"],
             c["compared"], c["throughput"], c["p99_ms"] and "%.1f" % c["p99_ms"],
-            c["rss_mb"] and "%.1f" % c["rss_mb"]))
-    growth = ("%.1f%%" % (100.0 * (last - first) / first)) if first and last else "not read"
+            mib(c["rss_mb"]), mib(c.get("rss_low_mb")), mib(c.get("rss_high_mb"))))
     lines += ["", "%d sent, %d answered, %d failed, %d unlike greedy; resident memory from the "
-              "first chunk's end to the last's: %s" % (sent, answered, sent - answered, wrong,
-                                                        growth), ""]
+              "first chunk's end to the last's: %s; the highest reading, first chunk to last: %s"
+              % (sent, answered, sent - answered, wrong, growth(first, last),
+                 growth(first_high, last_high)), ""]
     return "\n".join(lines)
 
 
