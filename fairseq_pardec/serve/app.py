@@ -11,7 +11,6 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
