@@ -9,9 +9,9 @@ time waits for a build.
 
 So the rows are padded to a few counts: up to :data:`EXACT_UP_TO` each count is its own, above
 it there are eight counts per doubling. A weight shape is then built at fewer than a hundred
-counts up to 8192 rows, and the padding costs at most an eighth of the rows (a sixteenth on
-average). A row's product does not depend on the rows beside it; the count may change which
-kernel oneDNN runs, and so its rounding, as any count does (the margin guard covers it).
+counts up to 8192 rows, and the padding costs at most an eighth of the rows. A row's product
+does not depend on the rows beside it; the count may change which kernel oneDNN runs, and so
+its rounding, as any count does (the margin guard covers it).
 """
 
 from typing import Optional
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# row counts below this many are multiplied as they are
+# row counts up to this many are multiplied as they are
 EXACT_UP_TO = 16
 
 _ONEDNN_OK: Optional[bool] = None
@@ -33,8 +33,8 @@ def packs_on_onednn() -> bool:
         try:
             weight = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
             rows = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
-            out = torch.ops.mkldnn._linear_pointwise(rows, pack(weight), None, "none", [], "")
-            _ONEDNN_OK = bool(torch.allclose(out, rows @ weight.t(), atol=1e-4))
+            _ONEDNN_OK = bool(torch.allclose(linear(rows, pack(weight)), rows @ weight.t(),
+                                             atol=1e-4))
         except (AttributeError, RuntimeError, NotImplementedError):
             _ONEDNN_OK = False
     return _ONEDNN_OK
